@@ -1,0 +1,370 @@
+"""ModelConfig (normalised from HF config.json or GGUF metadata), presets, and the frozen EngineConfig."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (band-wise)."""
+
+    type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the decoder needs to know; families differ only by these flags."""
+
+    architecture: str  # the family, e.g. "llama"; also the key of the weight-name map
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    norm: str = "rms"  # rms | layer
+    position: str = "rope"  # rope | alibi | learned
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    mlp: str = "swiglu"  # swiglu | gelu
+    activation: str = "silu"  # silu | gelu | gelu_tanh
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False  # LayerNorm with a bias
+    qk_norm: bool = False
+    embedding_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: Optional[str] = None  # the dtype the checkpoint was saved in
+
+    def __post_init__(self):
+        checks = [
+            ("hidden_size", self.hidden_size > 0),
+            ("num_layers", self.num_layers > 0),
+            ("num_heads", self.num_heads > 0),
+            ("num_kv_heads", 0 < self.num_kv_heads <= self.num_heads and self.num_heads % self.num_kv_heads == 0),
+            ("vocab_size", self.vocab_size > 0),
+            ("head_dim", self.head_dim > 0),
+            ("norm", self.norm in ("rms", "layer")),
+            ("position", self.position in ("rope", "alibi", "learned")),
+            ("mlp", self.mlp in ("swiglu", "gelu")),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ModelLoadError(f"model config has an invalid {name}={getattr(self, name)!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V, every layer, one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes (used by the planner for weight bytes)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * i
+        norms = 2 * h * (2 if self.norm_bias else 1)
+        per_layer = attn + mlp + norms
+        emb = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        pos = self.max_position_embeddings * h if self.position == "learned" else 0
+        return self.num_layers * per_layer + emb + head + pos + h
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _eos_tuple(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (list, tuple)):
+        return tuple(int(x) for x in v)
+    return (int(v),)
+
+
+def _rope_scaling(d: dict) -> Optional[RopeScaling]:
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    return RopeScaling(
+        type=kind,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_theta(d: dict) -> float:
+    if "rope_theta" in d:
+        return float(d["rope_theta"])
+    rp = d.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def _llama_like(d: dict, arch: str, **extra) -> ModelConfig:
+    heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    sw = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or hidden // heads,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(d),
+        rope_scaling=_rope_scaling(d),
+        qkv_bias=bool(d.get("attention_bias", False)),
+        o_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        sliding_window=sw,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(d.get("eos_token_id")),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        **extra,
+    )
+
+
+def _from_llama(d):
+    return _llama_like(d, "llama")
+
+
+def _from_mistral(d):
+    return _llama_like(d, "mistral")
+
+
+def _from_qwen2(d):
+    cfg = _llama_like(d, "qwen2")
+    return cfg.replace(qkv_bias=True, o_bias=False)
+
+
+def _from_qwen3(d):
+    return _llama_like(d, "qwen3", qk_norm=True)
+
+
+def _from_gpt2(d):
+    hidden, heads = d["n_embd"], d["n_head"]
+    act = d.get("activation_function", "gelu_new")
+    return ModelConfig(
+        architecture="gpt2",
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d.get("n_inner") or 4 * hidden,
+        num_layers=d["n_layer"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=d.get("n_positions", 1024),
+        norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        norm="layer",
+        norm_bias=True,
+        position="learned",
+        mlp="gelu",
+        activation="gelu_tanh" if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast") else "gelu",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=d.get("tie_word_embeddings", True),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(d.get("eos_token_id")),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
+
+def _from_bloom(d):
+    hidden = d.get("hidden_size") or d.get("n_embed")
+    heads = d.get("n_head") or d.get("num_attention_heads")
+    return ModelConfig(
+        architecture="bloom",
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_layers=d.get("n_layer") or d.get("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=d.get("seq_length", 2048),
+        norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        norm="layer",
+        norm_bias=True,
+        position="alibi",
+        mlp="gelu",
+        activation="gelu_tanh",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        embedding_norm=True,
+        tie_word_embeddings=d.get("tie_word_embeddings", True),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(d.get("eos_token_id")),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+    )
+
+
+# model_type (HF config.json) -> normaliser. GGUF metadata is mapped onto these keys by the GGUF loader.
+FAMILIES = {
+    "llama": _from_llama,
+    "mistral": _from_mistral,
+    "qwen2": _from_qwen2,
+    "qwen3": _from_qwen3,
+    "gpt2": _from_gpt2,
+    "bloom": _from_bloom,
+}
+
+
+def model_config_from_hf(d: dict) -> ModelConfig:
+    """Normalise a Hugging Face config.json dict."""
+    model_type = d.get("model_type")
+    if model_type is None:
+        archs = d.get("architectures") or []
+        raise UnsupportedError(
+            f"config has no model_type (architectures={archs}); supported: {', '.join(sorted(FAMILIES))}"
+        )
+    fn = FAMILIES.get(model_type)
+    if fn is None:
+        raise UnsupportedError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    try:
+        return fn(d)
+    except KeyError as e:
+        raise ModelLoadError(f"config for {model_type!r} lacks the key {e.args[0]!r}") from None
+
+
+def load_hf_config(path: Path) -> ModelConfig:
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read model config {path}: {e}") from None
+    return model_config_from_hf(d)
+
+
+# Named presets (HF config.json dicts) for `--load-format dummy` and the planner.
+PRESETS: dict[str, dict] = {
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "llama-2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       bos_token_id=128000, eos_token_id=128001),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+                         bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                       bos_token_id=1, eos_token_id=2),
+    "tinyllama-1.1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True, eos_token_id=151645),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValidationError("model", name, f"unknown preset; presets: {', '.join(PRESETS)}")
+    return model_config_from_hf(PRESETS[name])
+
+
+KV_BACKENDS = ("paged", "contiguous", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings fixed at start-up; nothing mutates them afterwards."""
+
+    model: Optional[str] = None  # None: the built-in model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"
+    load_format: str = "auto"
+    kv_cache: str = "paged"
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes; None: derived from kv_cache_fraction
+    kv_cache_fraction: float = 0.0  # of free memory, used when kv_cache_memory is None and > 0
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: Optional[int] = None
+    tokenizer: Optional[str] = None
+
+    def __post_init__(self):
+        if self.kv_cache not in KV_BACKENDS:
+            raise ValidationError("kv_cache", self.kv_cache, f"must be one of {', '.join(KV_BACKENDS)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValidationError("dtype", self.dtype, f"must be one of auto, {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValidationError("device", self.device, f"must be one of {', '.join(DEVICES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValidationError("load_format", self.load_format, f"must be one of {', '.join(LOAD_FORMATS)}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValidationError("block_size", self.block_size, "must be in [1, 1024]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValidationError("kv_cache_memory", self.kv_cache_memory, "must be > 0 bytes")
+        if not 0.0 <= self.kv_cache_fraction < 1.0:
+            raise ValidationError("kv_cache_fraction", self.kv_cache_fraction, "must be in [0, 1)")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValidationError("max_model_len", self.max_model_len, "must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValidationError("max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValidationError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValidationError("num_threads", self.num_threads, "must be >= 1")
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,54 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the decoder, returns logits for sampling."""
+from __future__ import annotations
+
+import torch
+
+from kvinfer.kv.cache import SeqSlice
+from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, backend, manager, device):
+        self.model = model
+        self.backend = backend
+        self.manager = manager
+        self.device = device
+
+    def _order(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        # Single-token decodes first: the backends batch them into one attention call.
+        dec = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
+        rest = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+        return dec + rest
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput):
+        """Returns (logits [n, vocab] float32, the scheduled seqs those rows belong to)."""
+        seqs = self._order(out.scheduled)
+        if self.backend.name == "none":
+            seqs = [ScheduledSeq(s.request, 0, s.end) for s in seqs]  # recompute from the first token
+        ids: list[int] = []
+        pos: list[int] = []
+        slices = []
+        sample_rows, sampled = [], []
+        for s in seqs:
+            req = s.request
+            ids += req.token_slice(s.start, s.end)
+            pos += range(s.start, s.end)
+            if self.backend.name == "paged":
+                slices.append(SeqSlice(s.start, s.num_new_tokens, block_table=self.manager.get_block_table(req)))
+            elif self.backend.name == "contiguous":
+                slices.append(SeqSlice(s.start, s.num_new_tokens, slot=self.manager.get_slot(req)))
+            else:
+                slices.append(SeqSlice(s.start, s.num_new_tokens))
+            if s.end == req.num_tokens:  # every known token computed: the last row predicts the next one
+                sample_rows.append(len(ids) - 1)
+                sampled.append(s)
+        self.backend.copy_blocks(out.block_copies)
+        md = self.backend.prepare(slices)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, md, self.backend)
+        if not sample_rows:
+            return None, []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return logits, sampled

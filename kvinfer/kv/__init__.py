@@ -1,0 +1,1 @@
+"""KV cache: block bookkeeping (no torch) and the cache tensors of each backend."""

@@ -1,0 +1,215 @@
+"""KV managers: which cache memory each request owns (paged blocks, contiguous slots, or none)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvinfer.kv.block_pool import BlockPool, hash_block
+from kvinfer.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVManager:
+    """Block tables per request over a shared BlockPool, with prefix caching and copy-on-write forks."""
+
+    kind = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def token_capacity(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def max_tokens_per_request(self) -> int:
+        return self.token_capacity
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of full blocks; at least one token is always left to compute."""
+        if not self.pool.enable_caching:
+            return [], 0
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        max_blocks = (req.num_tokens - 1) // bs
+        for i in range(max_blocks):
+            h = hash_block(parent, req.token_slice(i * bs, (i + 1) * bs))
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            hits.append(bid)
+            parent = h
+        self.pool.num_queries += max_blocks
+        self.pool.num_hits += len(hits)
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool cannot."""
+        bs = self.block_size
+        table = self.block_tables.setdefault(req.request_id, [])
+        start = req.num_computed_tokens + len(computed_blocks) * bs
+        end = start + num_new_tokens
+        need = cdiv(end, bs) - len(table) - len(computed_blocks)
+        cow = bool(table) and start % bs != 0 and self.pool.blocks[table[-1]].ref_cnt > 1
+        reviving = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if max(need, 0) + cow > self.pool.num_free_blocks - reviving:
+            if not table:
+                del self.block_tables[req.request_id]
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self.block_hashes[req.request_id] = [self.pool.blocks[b].block_hash for b in computed_blocks]
+        if cow:
+            # The partial last block is shared with a fork sibling: copy it before writing into it.
+            old = table[-1]
+            (new,) = self.pool.allocate(1)
+            self.pending_copies.append((old, new))
+            table[-1] = new
+            self.pool.free([old])
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        self._register_full_blocks(req, table, end)
+        return True
+
+    def _register_full_blocks(self, req: Request, table: list[int], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        hashes = self.block_hashes.setdefault(req.request_id, [])
+        for i in range(len(hashes), num_tokens // bs):
+            h = hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(h)
+            self.pool.register(table[i], h)
+
+    def free(self, req: Request) -> None:
+        table = self.block_tables.pop(req.request_id, [])
+        self.block_hashes.pop(req.request_id, None)
+        self.pool.free(reversed(table))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (copy-on-write when it writes a shared block)."""
+        table = list(self.block_tables[parent.request_id])
+        self.pool.touch(table)
+        self.block_tables[child.request_id] = table
+        self.block_hashes[child.request_id] = list(self.block_hashes.get(parent.request_id, []))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def get_block_table(self, req: Request) -> list[int]:
+        return self.block_tables[req.request_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for table in self.block_tables.values():
+            for b in table:
+                refs[b] += 1
+        for blk in self.pool.blocks:
+            assert blk.ref_cnt == refs[blk.block_id], (
+                f"block {blk.block_id}: ref_cnt {blk.ref_cnt} but {refs[blk.block_id]} block-table references")
+
+
+class SlotManager:
+    """The textbook cache: each request reserves one max-length slot for its whole life."""
+
+    kind = "contiguous"
+
+    def __init__(self, num_slots: int, max_len: int):
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.free_slots = list(range(num_slots))
+        self.slot_of: dict[str, int] = {}
+        self.pool = None
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_slots * self.max_len
+
+    def get_computed_blocks(self, req):
+        return [], 0
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks=()) -> bool:
+        if req.request_id not in self.slot_of:
+            if not self.free_slots:
+                return False
+            self.slot_of[req.request_id] = self.free_slots.pop(0)
+        return req.num_computed_tokens + num_new_tokens <= self.max_len
+
+    def free(self, req: Request) -> None:
+        slot = self.slot_of.pop(req.request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+            self.free_slots.sort()
+
+    def take_copies(self):
+        return []
+
+    def get_slot(self, req: Request) -> int:
+        return self.slot_of[req.request_id]
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_len and self.num_slots > 0
+
+    def check_integrity(self) -> None:
+        used = list(self.slot_of.values())
+        assert len(set(used)) == len(used), "two requests share a slot"
+        assert sorted(used + self.free_slots) == list(range(self.num_slots)), "slots lost or duplicated"
+
+
+class NullManager:
+    """No cache: nothing to allocate, every step recomputes every sequence."""
+
+    kind = "none"
+    num_total_blocks = 0
+    num_free_blocks = 0
+    token_capacity = 0
+    pool = None
+
+    def get_computed_blocks(self, req):
+        return [], 0
+
+    def allocate_slots(self, req, num_new_tokens, computed_blocks=()) -> bool:
+        return True
+
+    def free(self, req) -> None:
+        pass
+
+    def take_copies(self):
+        return []
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return True
+
+    def check_integrity(self) -> None:
+        pass

@@ -1,0 +1,99 @@
+"""Self-attention over a flat batch of tokens; the KV backend and metadata come in as arguments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvinfer.layers.norm import RMSNorm
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together: one prefill (or chunk), or every single-token decode of a step.
+
+    Tokens of a group are a contiguous range of the flat batch, `num_seqs * q_len` of them.
+    """
+
+    start: int
+    end: int
+    num_seqs: int
+    q_len: int
+    ctx_len: int  # keys per sequence after padding
+    mask: Optional[torch.Tensor] = None  # [b, 1|heads, q_len, ctx_len]: bool (True = attend) or additive float
+    is_causal: bool = False  # the plain causal case: q_len == ctx_len, no padding, no window, no bias
+    gather_idx: Optional[torch.Tensor] = None  # [b, ctx_len] rows of the backend's flat source
+    slot_ids: Optional[torch.Tensor] = None  # [b] rows of a contiguous cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step, built once and shared by all layers."""
+
+    groups: list[AttnGroup]
+    slot_mapping: Optional[torch.Tensor] = None  # [tokens] flat cache slot each new K/V is written to
+    slot_ids: Optional[torch.Tensor] = None  # [tokens] contiguous backend: cache row per token
+    positions: Optional[torch.Tensor] = None  # [tokens]
+    extra: dict = field(default_factory=dict)
+
+
+def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
+               sliding_window: Optional[int], alibi: Optional[torch.Tensor]) -> torch.Tensor:
+    """q_pos [b, q], k_pos [b, L], k_valid [b, L] -> [b, 1|heads, q, L] mask (bool, or float with ALiBi)."""
+    rel = k_pos[:, None, :] - q_pos[:, :, None]  # [b, q, L] key position minus query position
+    allowed = (rel <= 0) & k_valid[:, None, :]
+    if sliding_window is not None:
+        allowed &= rel > -sliding_window
+    if alibi is None:
+        return allowed[:, None]
+    bias = alibi[None, :, None, None] * rel[:, None].float()  # [b, heads, q, L]
+    return bias.masked_fill(~allowed[:, None], float("-inf"))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped/multi-query K/V, optional biases, q/k norm and RoPE."""
+
+    def __init__(self, cfg, layer_idx: int, rotary: Optional[nn.Module]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.q_size
+        self.kv_size = cfg.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # fused: one GEMM
+        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, kv: Any) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [tokens, heads, dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        kv.store(self.layer_idx, k, v, md)
+        if len(md.groups) == 1:
+            out = self._attend(md.groups[0], q, k, v, kv)
+        else:
+            out = torch.cat([self._attend(g, q, k, v, kv) for g in md.groups], dim=0)
+        return self.o(out)
+
+    def _attend(self, g: AttnGroup, q, k, v, kv) -> torch.Tensor:
+        keys, values = kv.gather(self.layer_idx, g, k, v)  # [b, kv_heads, L, dim]
+        qg = q[g.start:g.end].view(g.num_seqs, g.q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        mask = g.mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(qg.dtype)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, is_causal=g.is_causal,
+                                           scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return o.transpose(1, 2).reshape(g.num_seqs * g.q_len, self.q_size)  # [tokens, heads * dim]

@@ -1,0 +1,30 @@
+"""Feed-forward blocks: SwiGLU (fused gate+up) and the classic GELU MLP."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.inter = inter
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=bias)  # gate and up fused: one GEMM
+        self.down = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)  # [tokens, 2 * inter]
+        gate, up = gu.split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = True, approximate: str = "none"):
+        super().__init__()
+        self.up = nn.Linear(hidden, inter, bias=bias)
+        self.down = nn.Linear(inter, hidden, bias=bias)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))

@@ -1,0 +1,55 @@
+"""Rotary position embedding (RoPE) with 'linear' and 'llama3' frequency scaling."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        mid = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unknown rope scaling {scaling.type}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE in the rotate-half layout (Hugging Face's) to q and k at given positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [tokens, heads, dim], k: [tokens, kv_heads, dim]
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, dim/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

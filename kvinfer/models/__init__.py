@@ -1,0 +1,1 @@
+"""The one decoder and the per-family weight-name maps."""

@@ -1,0 +1,92 @@
+"""Sampler: logits -> next tokens with penalties, temperature, top-k/top-p/min-p and per-request RNG."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: Optional[torch.Generator]
+    banned_ids: Sequence[int] = ()  # EOS / stop ids masked out while min_tokens is not reached
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Optional[tuple[float, list[tuple[int, float]]]]]  # (chosen logprob, top-k pairs) per row
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+    """Repetition penalty (HF / CTRL style, over prompt and output) and OpenAI presence/frequency penalties."""
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        if len(seen):
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(output_ids):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[-1]).float()
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p; returns probabilities with disallowed tokens at exactly 0."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop_sorted = (cum - sorted_p) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+        """logits: [n, vocab] float32, one row per entry of `rows`."""
+        simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids for r in rows)
+        raw = logits
+        if simple:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = []
+            for i, r in enumerate(rows):
+                row = logits[i].clone()
+                if r.banned_ids:
+                    row[torch.tensor(list(r.banned_ids), dtype=torch.long)] = float("-inf")
+                if r.params.uses_penalties:
+                    row = apply_penalties(row, r.params, r.prompt_ids, r.output_ids)
+                if r.params.greedy:
+                    tokens.append(int(row.argmax()))
+                    continue
+                probs = filter_probs(row, r.params)
+                tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+        lps: list = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(raw[want], dim=-1)
+            for j, i in enumerate(want):
+                k = rows[i].params.logprobs
+                chosen = float(logp[j, tokens[i]])
+                top = []
+                if k:
+                    v, ix = logp[j].topk(k)
+                    top = list(zip(ix.tolist(), v.tolist()))
+                lps[i] = (chosen, top)
+        return SampleResult(tokens, lps)

@@ -1,0 +1,90 @@
+"""SamplingParams: how one request picks its tokens and when it stops, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from kvinfer.errors import ValidationError
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping; temperature 0 means greedy."""
+
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[None, str, Sequence[str]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-k logprobs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self):
+        def bad(param, reason):
+            raise ValidationError(param, getattr(self, param), reason)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a number > 0 (1 disables it)")
+        if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

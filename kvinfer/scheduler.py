@@ -1,0 +1,177 @@
+"""Scheduler: continuous batching under a token budget; plain data out, no torch."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvinfer.errors import RequestTooLargeError
+from kvinfer.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    """Every request has num_computed_tokens and num_tokens; each step hands out a token budget.
+
+    Running requests are served first, oldest first; if the KV manager runs out, the most recently
+    admitted running request is preempted (its cache freed, recomputed later) and goes to the front
+    of the waiting queue so it resumes before newer requests.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, kv_manager):
+        self.cfg = cfg
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_fits(self, req: Request) -> None:
+        """Reject at once a request that can never run, so the engine keeps serving the others."""
+        total = req.num_prompt_tokens + (req.params.max_tokens or 0)
+        if req.num_prompt_tokens == 0:
+            raise RequestTooLargeError("the prompt is empty; give at least one token", "prompt")
+        if req.num_prompt_tokens >= self.cfg.max_model_len:
+            raise RequestTooLargeError(
+                f"the prompt has {req.num_prompt_tokens} tokens; the context window (max_model_len) is "
+                f"{self.cfg.max_model_len}, leaving no room to generate", "prompt")
+        if total > self.cfg.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = {total} exceeds "
+                f"the context window (max_model_len={self.cfg.max_model_len})", "max_tokens")
+        if not self.kv.can_ever_fit(total):
+            raise RequestTooLargeError(
+                f"prompt + max_tokens = {total} tokens needs more KV cache than exists "
+                f"({self.kv.token_capacity} tokens); raise --kv-cache-memory or lower max_tokens", "max_tokens")
+
+    def add_request(self, req: Request) -> None:
+        self.check_fits(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def add_running(self, req: Request) -> None:
+        """A forked sibling: its cache is already shared from its parent."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.requests[req.request_id] = req
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self.cfg.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                break
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # preempted itself: nothing else can fit either
+            out.scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_cached:
+                break
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledSeq(req, num_cached, n))
+            budget -= n
+
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.end
+
+    # ---- finishing -------------------------------------------------------------------------
+    def finish(self, req: Request, reason: Optional[str] = None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req)
+        elif req.request_id in self.requests:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = RequestStatus.FINISHED
+        if reason is not None:
+            req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
