@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random-weight models written with transformers, the built-in model, integrity checks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def save_tiny_llama(path, seed=0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_llama(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def builtin_model_path():
+    from kvinfer.utils import builtin_model_path as find
+
+    return str(find())
+
+
+@pytest.fixture(scope="session")
+def builtin_llm():
+    """The built-in model, float32, shared by the tests that need real text."""
+    from kvinfer import LLM
+
+    return LLM(None, dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048)
+
+
+def assert_engine_clean(engine):
+    """After all requests finish: every block free again and the bookkeeping consistent."""
+    engine.check_integrity()
+    m = engine.kv_manager
+    assert not engine.has_unfinished_requests()
+    assert m.num_free_blocks == m.num_total_blocks, f"{m.num_total_blocks - m.num_free_blocks} blocks still in use"
