@@ -1,0 +1,87 @@
+"""Sampling: seeds, top-k=1 equals greedy, top-p and min-p stay inside their allowed sets, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvinfer import LLM, SamplingParams
+from kvinfer.errors import ValidationError
+from kvinfer.sampler import Sampler, SampleRow, filter_probs
+
+
+def rows(n, **kw):
+    p = SamplingParams(**kw)
+    return [SampleRow(p, [], [], torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def test_top_p_and_min_p_never_sample_outside_allowed_set():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=g) * 3
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    cum = probs[order].cumsum(0)
+    k = int((cum < 0.6).sum()) + 1  # smallest prefix reaching 0.6
+    allowed_top_p = set(order[:k].tolist())
+    allowed_min_p = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
+    s = Sampler()
+    seen_p, seen_m = set(), set()
+    r_p = SampleRow(SamplingParams(temperature=1.0, top_p=0.6), [], [], torch.Generator().manual_seed(1))
+    r_m = SampleRow(SamplingParams(temperature=1.0, min_p=0.2), [], [], torch.Generator().manual_seed(2))
+    for _ in range(2000):
+        seen_p.add(s.sample(logits, [r_p]).token_ids[0])
+        seen_m.add(s.sample(logits, [r_m]).token_ids[0])
+    assert seen_p <= allowed_top_p and len(seen_p) == len(allowed_top_p)
+    assert seen_m <= allowed_min_p and len(seen_m) == len(allowed_min_p)
+
+
+def test_filter_probs_top_k():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    probs = filter_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_sampling_frequencies_follow_probabilities():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    r = SampleRow(SamplingParams(temperature=1.0), [], [], torch.Generator().manual_seed(0))
+    counts = torch.zeros(3)
+    s = Sampler()
+    for _ in range(3000):
+        counts[s.sample(logits, [r]).token_ids[0]] += 1
+    assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
+    s = Sampler()
+    r = SampleRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], None)
+    assert s.sample(logits, [r]).token_ids == [1]  # token 0 was seen: 2.0 -> 1.0
+    r = SampleRow(SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=1.0), [], [1, 1], None)
+    assert s.sample(logits, [r]).token_ids == [0]
+
+
+def test_same_seed_same_tokens_and_top_k_1_is_greedy(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=4 << 20, block_size=4)
+    p = [[5, 9, 13, 17, 21]]
+    sp = SamplingParams(temperature=1.2, seed=42, max_tokens=20, ignore_eos=True)
+    a = llm.generate(p, sp)[0].outputs[0].token_ids
+    b = llm.generate(p, sp)[0].outputs[0].token_ids
+    c = llm.generate(p, SamplingParams(temperature=1.2, seed=43, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
+    assert a == b and a != c
+    greedy = llm.generate(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
+    topk1 = llm.generate(p, SamplingParams(temperature=1.5, top_k=1, seed=1, max_tokens=20,
+                                           ignore_eos=True))[0].outputs[0].token_ids
+    assert topk1 == greedy
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(top_p=0), "top_p"),
+    (dict(top_k=-3), "top_k"), (dict(min_p=1.2), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(n=1000), "n"), (dict(logprobs=100), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(stop=[""]), "stop"), (dict(temperature=float("nan")), "temperature"),
+    (dict(max_tokens="5"), "max_tokens"),
+])
+def test_invalid_values_name_the_parameter(kw, param):
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param and param in str(e.value)
