@@ -106,7 +106,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._pending_forks: dict[str, list[Request]] = {}
         self._ids = itertools.count()
-        self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0)
+        self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory:
@@ -188,12 +188,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats["steps"] += 1
-        if self.kv_manager.kind == "paged":
-            self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.kv_manager.pool.num_used_blocks)
         touched: dict[str, None] = {}
         if sched.scheduled:
             logits, sampled = self.runner.execute(sched)
             self.scheduler.update_after_step(sched)
+            if self.kv_manager.kind == "paged":
+                used = self.kv_manager.pool.num_used_blocks
+                self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
+                # KV utilisation: tokens held in the cache over the capacity of the blocks allocated.
+                self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
+                self.stats["util_capacity"] += used * self.kv_manager.block_size
             for s in sched.scheduled:
                 if s.start < s.request.num_prompt_tokens:
                     self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start

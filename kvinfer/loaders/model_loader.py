@@ -28,10 +28,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: without them PyTorch emulates bf16 matmuls, ~60x slower than fp32 (README)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bfloat16 on both: measured faster than float32 on AVX-512-bf16 CPUs (see README), half the memory.
-        return torch.bfloat16
+        if device.type == "cuda":
+            return torch.bfloat16
+        # Measured on this project's 2-core AVX2 machines: a [1, 576] x [576, 1728] linear takes 0.19 ms in
+        # float32 and 12 ms in bfloat16, so bfloat16 is the default only where the CPU computes it natively.
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return DTYPES[name]
 
 

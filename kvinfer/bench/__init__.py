@@ -1,0 +1,1 @@
+"""Benchmarks: each prints ours against a peer measured in the same run, with ratios."""

@@ -1,0 +1,214 @@
+"""`kvinfer bench decode|throughput|serve`: ours against peers measured in the same run, with ratios."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _peers(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [n for n in names if n not in ("transformers", "llama.cpp", "none")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown peer {bad[0]!r}; choose from transformers, llama.cpp, none")
+    return [n for n in names if n != "none"]
+
+
+def register(sub) -> None:
+    from kvinfer.cli import add_engine_args
+
+    b = sub.add_parser("bench", help="benchmarks against peers measured in the same run",
+                       description="Benchmarks that print kvinfer against peers measured in the same run.")
+    bs = b.add_subparsers(dest="bench_command", metavar="BENCH")
+    b.set_defaults(func=lambda a: (b.print_help(), 2)[1])
+
+    d = bs.add_parser("decode", help="TTFT and single-stream greedy decode tokens/s",
+                      description="Time to first token and single-stream greedy decode tokens/s for --tokens new "
+                                  "tokens, for kvinfer and each --compare peer on the same weights and dtype.")
+    d.add_argument("--tokens", type=int, default=256, help="new tokens (default 256)")
+    d.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
+    d.add_argument("--compare", type=_peers, default=["transformers"],
+                   help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
+    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_engine_args(d)
+    d.set_defaults(func=cmd_decode)
+
+    t = bs.add_parser("throughput", help="offline throughput on a seeded 64-request workload",
+                      description="64 requests (prompt 16-512, output 16-256 tokens, seeded, ignore_eos, greedy) "
+                                  "through the engine, then the same workload through each --compare peer.")
+    t.add_argument("--num-requests", type=int, default=64)
+    t.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
+    t.add_argument("--compare", type=_peers, default=["transformers"],
+                   help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
+    t.add_argument("--hf-batch-size", type=int, default=16, help="transformers static batch size (default 16)")
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_engine_args(t)
+    t.set_defaults(func=cmd_throughput)
+
+    try:
+        from kvinfer.bench.serve import register_serve
+    except ImportError:
+        return
+    register_serve(bs)
+
+
+def _model_label(engine) -> str:
+    src = engine.loaded.source
+    name = src.path.name if src.path is not None else str(engine.config.model)
+    return f"{name} ({src.kind}), {str(engine.loaded.dtype).replace('torch.', '')}"
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cmd_decode(args) -> int:
+    import random
+
+    from kvinfer.cli import engine_config_from_args
+    from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.loaders.model_loader import load_model
+    from kvinfer.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    load_model(cfg)  # first load warms the page cache; the second is the figure we report
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    startup = time.perf_counter() - t0
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(args.prompt_tokens)]
+
+    def ours():
+        rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        times = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id == rid and o.outputs[0].delta_token_ids:
+                    times.append(time.perf_counter())
+        return dict(ttft=times[0] - t0, decode_tps=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times))
+
+    # Warm-up: the first steps pay one-off costs (allocator, kernel selection).
+    engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = [dict(name="kvinfer", load_s=engine.loaded.load_seconds, startup_s=startup, **ours())]
+    path = engine.loaded.source.path
+    for peer in args.compare:
+        if peer == "transformers":
+            from kvinfer.bench.peers import load_transformers, transformers_decode
+
+            t0 = time.perf_counter()
+            m = load_transformers(path, engine.loaded.dtype)
+            load_s = time.perf_counter() - t0
+            if m is None:
+                print("transformers is not installed: pip install 'kvinfer[bench]'", file=sys.stderr)
+                continue
+            transformers_decode(m, prompt, 8)
+            rows.append(dict(name="transformers", load_s=load_s, **transformers_decode(m, prompt, args.tokens)))
+            del m
+        elif peer == "llama.cpp":
+            from kvinfer.bench.peers import llama_cpp_decode, load_llama_cpp
+
+            if path is None or not path.is_file():
+                print("llama.cpp needs a GGUF model; skipped", file=sys.stderr)
+                continue
+            t0 = time.perf_counter()
+            llm = load_llama_cpp(path, args.prompt_tokens + args.tokens + 16, _threads())
+            load_s = time.perf_counter() - t0
+            if llm is None:
+                print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
+                continue
+            llama_cpp_decode(llm, prompt, 8)
+            rows.append(dict(name="llama.cpp", load_s=load_s, **llama_cpp_decode(llm, prompt, args.tokens)))
+    ref = rows[0]["decode_tps"]
+    for r in rows:
+        r["kvinfer_vs_this"] = ref / r["decode_tps"]
+    if args.json:
+        print(json.dumps(dict(model=_model_label(engine), threads=_threads(), prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.tokens, rows=rows), indent=2))
+        return 0
+    print(f"kvinfer bench decode: {_model_label(engine)}, {_threads()} threads, prompt {args.prompt_tokens} tokens, "
+          f"{args.tokens} new tokens, greedy, single stream")
+    print(f"{'engine':<14}{'load s':>8}{'TTFT ms':>10}{'decode tok/s':>14}{'kvinfer speedup':>17}")
+    for r in rows:
+        print(f"{r['name']:<14}{r['load_s']:>8.2f}{r['ttft'] * 1000:>10.1f}{r['decode_tps']:>14.1f}"
+              f"{r['kvinfer_vs_this']:>16.2f}x")
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    import resource
+
+    import torch
+
+    from kvinfer.bench.workload import percentile, throughput_workload
+    from kvinfer.cli import engine_config_from_args
+    from kvinfer.engine.llm import LLM
+    from kvinfer.sampling_params import SamplingParams
+    from kvinfer.utils import format_bytes
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(config=cfg)
+    eng = llm.engine
+    work = throughput_workload(args.num_requests, args.workload_seed, vocab_size=eng.model_config.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]
+    llm.generate([work[0].prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
+    t0 = time.perf_counter()
+    outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    ttft = [o.ttft for o in outs]
+    tpot = [o.tpot for o in outs]
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    weights = sum(p.numel() * p.element_size() for p in eng.loaded.model.parameters())
+    kv_budget = eng.kv_cache.nbytes
+    util = eng.stats["util_stored"] / max(1, eng.stats["util_capacity"])
+    ours = dict(name="kvinfer", seconds=secs, tps=gen / secs, rps=len(work) / secs, generated=gen,
+                prompt_tokens=prompt_tokens, ttft_mean=sum(ttft) / len(ttft), ttft_p99=percentile(ttft, 99),
+                tpot_mean=sum(t for t in tpot if t) / max(1, sum(1 for t in tpot if t)), tpot_p99=percentile(tpot, 99),
+                peak_blocks=eng.stats["peak_blocks"], total_blocks=eng.kv_manager.num_total_blocks,
+                kv_utilisation=util, preemptions=eng.scheduler.num_preemptions,
+                peak_rss=rss_peak, weights_bytes=weights, kv_bytes=kv_budget,
+                overhead_bytes=rss_peak - weights - kv_budget)
+    rows = [ours]
+    path = eng.loaded.source.path
+    dtype = eng.loaded.dtype
+    del llm, eng
+    for peer in args.compare:
+        if peer == "transformers":
+            from kvinfer.bench.peers import load_transformers, transformers_static_batches
+
+            m = load_transformers(path, dtype)
+            if m is None:
+                print("transformers is not installed: pip install 'kvinfer[bench]'", file=sys.stderr)
+                continue
+            r = transformers_static_batches(m, work, args.hf_batch_size)
+            rows.append(dict(name=f"transformers (static batches of {args.hf_batch_size})", **r))
+            del m
+        elif peer == "llama.cpp":
+            print("llama.cpp throughput comparison is not implemented yet (issue 7)", file=sys.stderr)
+    for r in rows:
+        r["kvinfer_vs_this"] = ours["tps"] / r["tps"]
+    if args.json:
+        print(json.dumps(dict(threads=_threads(), requests=len(work), rows=rows), indent=2, default=str))
+        return 0
+    print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
+          f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}")
+    print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
+    print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")
+    print(f"  TPOT mean/p99        {ours['tpot_mean'] * 1000:.1f} / {ours['tpot_p99'] * 1000:.1f} ms")
+    print(f"  KV blocks peak       {ours['peak_blocks']} of {ours['total_blocks']} "
+          f"(block {cfg.block_size}), utilisation {util * 100:.1f}% (tokens stored / capacity of allocated blocks)")
+    print(f"  preemptions          {ours['preemptions']}")
+    print(f"  peak RSS             {format_bytes(rss_peak)} = weights {format_bytes(weights)} + KV budget "
+          f"{format_bytes(kv_budget)} + overhead {format_bytes(ours['overhead_bytes'])}")
+    print(f"{'engine':<36}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}")
+    for r in rows:
+        print(f"{r['name']:<36}{r['tps']:>10.1f}{r['seconds']:>9.1f}{r['kvinfer_vs_this']:>16.2f}x")
+    return 0

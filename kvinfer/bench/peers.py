@@ -1,0 +1,92 @@
+"""Peers measured in the same run: Hugging Face transformers and (optionally) llama.cpp."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def load_transformers(model_path: Path, dtype: torch.dtype):
+    """The same weights in transformers: a GGUF is dequantized by transformers itself."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if model_path.is_file():
+        m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    return m.eval()
+
+
+class _TimingStreamer:
+    """transformers calls put() with the prompt, then once per generated token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def transformers_decode(model, prompt_ids: list[int], new_tokens: int) -> dict:
+    ids = torch.tensor([prompt_ids])
+    streamer = _TimingStreamer()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, streamer=streamer, pad_token_id=0)
+    t = streamer.times
+    return dict(ttft=t[0] - t0, decode_tps=(len(t) - 1) / (t[-1] - t[0]), tokens=len(t))
+
+
+def transformers_static_batches(model, requests, batch_size: int) -> dict:
+    """Static batching: each batch of `batch_size` runs until its longest output is done."""
+    useful = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(batch):  # left padding, as decoder-only generation needs
+                ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - len(r.prompt_token_ids):] = 1
+            longest = max(r.output_tokens for r in batch)
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=0)
+            useful += sum(r.output_tokens for r in batch)
+    secs = time.perf_counter() - t0
+    return dict(seconds=secs, useful_tokens=useful, tps=useful / secs)
+
+
+def load_llama_cpp(model_path: Path, n_ctx: int, threads: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+
+
+def llama_cpp_decode(llm, prompt_ids: list[int], new_tokens: int) -> Optional[dict]:
+    llm.reset()
+    t0 = time.perf_counter()
+    times = []
+    for _tok in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+        times.append(time.perf_counter())
+        if len(times) >= new_tokens:
+            break
+    return dict(ttft=times[0] - t0, decode_tps=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times))

@@ -1,0 +1,1 @@
+"""Loaders that turn model files (HF directories, GGUF) into kvinfer objects."""

@@ -1,0 +1,475 @@
+"""GGUF files: our own parser, metadata -> ModelConfig, and dequantised tensors under Hugging Face names."""
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from kvinfer.config import ModelConfig, model_config_from_hf
+from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
+from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types -> struct format (little-endian).
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_STRUCT = {k: struct.Struct(v) for k, v in _SCALAR_FMT.items()}
+_ARRAY_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+_INT_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+             "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length")
+# llama.cpp's converter permutes q/k rows only for these architectures (qwen2 keeps HF's layout).
+_PERMUTED_ARCHS = ("llama",)
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF file decoded: config, float32 tensors under HF names, and every metadata key-value."""
+
+    config: ModelConfig
+    # Tensors of one GGML type are views into one shared float32 buffer (see read_gguf).
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+    tensor_types: dict[str, str]  # HF name -> GGML type name
+    # HF name -> (undequantised bytes as uint8 [rows, row_bytes] (1-D for vectors), type name, torch shape);
+    # q/k rows are already put back in HF order. Filled only with keep_raw=True.
+    raw: dict[str, tuple[np.ndarray, str, tuple]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    type_id: int
+    offset: int  # from the start of the data section
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Parser:
+    """Reads the header, key-values and tensor infos from a buffer, checking every read against its end."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise _Truncated(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
+
+    def scalar(self, st: struct.Struct):
+        self._need(st.size)
+        v = st.unpack_from(self.buf, self.pos)[0]
+        self.pos += st.size
+        return v
+
+    def u32(self) -> int:
+        return self.scalar(_U32)
+
+    def u64(self) -> int:
+        return self.scalar(_U64)
+
+    def string(self) -> str:
+        n = self.u64()
+        self._need(n)
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            # Keep the exact bytes recoverable (str.encode('utf-8', 'surrogateescape')).
+            return b.decode("utf-8", "surrogateescape")
+
+    def _strings(self, count: int) -> list[str]:
+        # Vocabularies hold ~10^5 strings; a tight loop on locals keeps this well under 0.1 s.
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self._need(8)
+            n = unpack(buf, pos)[0]
+            pos += 8
+            end = pos + n
+            if end > size:
+                self.pos = pos
+                self._need(n)
+            b = buf[pos:end]
+            pos = end
+            try:
+                append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                append(b.decode("utf-8", "surrogateescape"))
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        st = _SCALAR_STRUCT.get(vtype)
+        if st is None:
+            raise _Truncated(f"unknown metadata value type {vtype} at offset {self.pos}")
+        v = self.scalar(st)
+        if vtype == _FLOAT32:
+            # float32 values such as 1e-5 would otherwise come back as 9.999999747378752e-06.
+            v = float(str(np.float32(v)))
+        return v
+
+    def array(self) -> list:
+        etype = self.u32()
+        count = self.u64()
+        if etype in _ARRAY_DTYPE:
+            dt = np.dtype(_ARRAY_DTYPE[etype])
+            self._need(count * dt.itemsize)
+            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+            self.pos += count * dt.itemsize
+            return arr.tolist()
+        if etype == _STRING:
+            return self._strings(count)
+        if etype == _ARRAY:
+            return [self.array() for _ in range(count)]
+        raise _Truncated(f"unknown array element type {etype} at offset {self.pos}")
+
+    def magic_and_version(self) -> int:
+        self._need(4)
+        magic = bytes(self.buf[0:4])
+        if magic != _MAGIC:
+            raise _NotGGUF(f"starts with {magic!r}, not {_MAGIC!r}")
+        self.pos = 4
+        return self.u32()
+
+    def metadata(self, kv_count: int) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = self.string()
+            meta[key] = self.value(self.u32())
+        return meta
+
+    def tensor_infos(self, count: int) -> list[_TensorInfo]:
+        infos = []
+        for _ in range(count):
+            name = self.string()
+            n_dims = self.u32()
+            if n_dims > 8:
+                raise _Truncated(f"tensor {name!r} claims {n_dims} dims")
+            dims = [self.u64() for _ in range(n_dims)]
+            type_id = self.u32()
+            offset = self.u64()
+            # GGUF lists dims fastest-first (ggml's ne[]); torch wants them slowest-first.
+            infos.append(_TensorInfo(name, tuple(reversed(dims)), type_id, offset))
+        return infos
+
+
+class _NotGGUF(Exception):
+    pass
+
+
+class _File:
+    """An open, memory-mapped GGUF file with its parsed header; close() releases the mapping if it can."""
+
+    def __init__(self, path: Union[str, Path], with_tensors: bool):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                if size < 24:
+                    raise ModelLoadError(f"{self.path} is not a GGUF file (only {size} bytes)")
+                # Copy-on-write keeps the arrays writable, so torch.from_numpy needs no copy or warning.
+                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: {e.strerror or e}") from None
+        try:
+            p = _Parser(self.mm)
+            version = p.magic_and_version()
+            if version not in (2, 3):
+                if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+                    raise UnsupportedError(f"{self.path} is a big-endian GGUF file; only little-endian is supported")
+                raise UnsupportedError(f"{self.path} has GGUF version {version}; supported versions: 2, 3")
+            n_tensors, n_kv = p.u64(), p.u64()
+            self.metadata = p.metadata(n_kv)
+            self.infos: list[_TensorInfo] = []
+            self.data_start = 0
+            if with_tensors:
+                self.infos = p.tensor_infos(n_tensors)
+                align = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+                if not isinstance(align, int) or align <= 0:
+                    raise _Truncated(f"general.alignment={align!r}")
+                self.data_start = -(-p.pos // align) * align
+        except _NotGGUF as e:
+            self.close()
+            raise ModelLoadError(f"{self.path} is not a GGUF file ({e})") from None
+        except KvinferError:
+            self.close()
+            raise
+        except (_Truncated, struct.error, ValueError, OverflowError, MemoryError) as e:
+            self.close()
+            raise ModelLoadError(f"GGUF file {self.path} is truncated or corrupt: {e}") from None
+
+    def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
+        try:
+            n = nbytes_for(info.type_id, info.shape)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"GGUF file {self.path}: tensor {info.name}: {e}") from None
+        start = self.data_start + info.offset
+        if start + n > len(self.mm):
+            raise ModelLoadError(
+                f"GGUF file {self.path} is truncated: tensor {info.name} ends at byte {start + n}, "
+                f"the file has {len(self.mm)}"
+            )
+        return np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except (BufferError, AttributeError):
+            pass  # arrays still view the mapping (keep_raw); it goes when they do
+
+
+def read_metadata(path: Union[str, Path]) -> dict[str, Any]:
+    """Every GGUF key-value as plain Python values, without touching tensor data."""
+    f = _File(path, with_tensors=False)
+    f.close()
+    return f.metadata
+
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter stores as rope_freqs.weight for Llama-3 scaling."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float64)
+
+
+def _rope_scaling_from_freqs(freqs: np.ndarray, theta: float, dim: int, meta: dict, arch: str, path: Path) -> dict:
+    # The converter keeps only the resulting factors; find the Llama-3 parameters that reproduce them.
+    factor = float(str(np.float32(freqs.max())))
+    origs = [8192]
+    orig_key = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if isinstance(orig_key, int):
+        origs.insert(0, orig_key)
+    for orig in origs:
+        for low, high in ((1.0, 4.0),):
+            want = _llama3_rope_factors(theta, dim, factor, low, high, orig)
+            if want.shape == freqs.shape and np.allclose(freqs, want, rtol=1e-3, atol=1e-5):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise UnsupportedError(
+        f"GGUF file {path}: rope_freqs.weight does not match Llama-3 RoPE scaling, "
+        "and other per-frequency RoPE factors are not supported"
+    )
+
+
+def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[str, Any]:
+    meta = f.metadata
+
+    def opt(key: str, default=None):
+        full = f"{arch}.{key}"
+        v = meta.get(full, default)
+        if key in _INT_KEYS and v is not None and (type(v) is not int or v <= 0):
+            # e.g. per-layer head counts (a list), which the decoder has no notion of
+            raise UnsupportedError(f"GGUF file {f.path}: metadata {full}={v!r} is not supported (need an integer > 0)")
+        return v
+
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"GGUF file {f.path} lacks the metadata key {arch}.{key}")
+        return opt(key)
+
+    heads = need("attention.head_count")
+    d: dict[str, Any] = {
+        "model_type": arch,
+        "hidden_size": need("embedding_length"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": opt("attention.head_count_kv", heads),
+        "max_position_embeddings": opt("context_length", 2048),
+        "rms_norm_eps": opt("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": opt("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in infos,
+    }
+    vocab = opt("vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    if vocab is None and "token_embd.weight" in infos:
+        vocab = infos["token_embd.weight"].shape[0]
+    if vocab is None:
+        raise ModelLoadError(f"GGUF file {f.path} gives no vocabulary size")
+    d["vocab_size"] = vocab
+    if opt("attention.key_length") is not None:
+        d["head_dim"] = opt("attention.key_length")
+    if "blk.0.attn_q.bias" in infos:
+        d["attention_bias"] = True
+    if "blk.0.ffn_gate.bias" in infos or "blk.0.ffn_up.bias" in infos:
+        d["mlp_bias"] = True
+
+    scaling = opt("rope.scaling.type")
+    if scaling is not None and scaling != "none":
+        d["rope_scaling"] = {"rope_type": scaling, "factor": float(opt("rope.scaling.factor", 1.0))}
+        if opt("rope.scaling.original_context_length") is not None:
+            d["rope_scaling"]["original_max_position_embeddings"] = opt("rope.scaling.original_context_length")
+    elif _ROPE_FREQS in infos:
+        freqs = dequantize(f.tensor_bytes(infos[_ROPE_FREQS]), infos[_ROPE_FREQS].type_id,
+                           infos[_ROPE_FREQS].shape).double().numpy()
+        dim = opt("rope.dimension_count") or d.get("head_dim") or d["hidden_size"] // heads
+        d["rope_scaling"] = _rope_scaling_from_freqs(freqs, float(d["rope_theta"]), dim, meta, arch, f.path)
+
+    if "tokenizer.ggml.bos_token_id" in meta:
+        d["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
+    # Chat GGUFs often mark the end-of-turn token separately; generation should stop on it too.
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return d
+
+
+def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's permute(): GGUF row idx[i] is HF row i.
+
+    The converter reshapes rows to (n_head, 2, head_dim/2) and swaps the last two axes, turning HF's
+    rotate-half pairs (j, j + head_dim/2) into adjacent pairs (2j, 2j + 1).
+    """
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"cannot undo the q/k permutation: {rows} rows for {n_head} heads")
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
+    """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names."""
+    f = _File(path, with_tensors=True)
+    try:
+        arch = f.metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedError(
+                f"GGUF architecture {arch!r} in {f.path} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        infos = {i.name: i for i in f.infos}
+        if len(infos) != len(f.infos):
+            raise ModelLoadError(f"GGUF file {f.path} names a tensor twice")
+        names: dict[str, str] = {}
+        for info in f.infos:
+            if info.name == _ROPE_FREQS:
+                continue
+            hf = _hf_name(info.name)
+            if hf is None:
+                raise UnsupportedError(
+                    f"GGUF tensor {info.name} in {f.path} has no Hugging Face counterpart for architecture {arch}"
+                )
+            tname = type_name(info.type_id)
+            if tname not in SUPPORTED_GGUF_TYPES:
+                raise UnsupportedError(
+                    f"GGUF tensor type {tname} is not supported (supported: {', '.join(SUPPORTED_GGUF_TYPES)}); "
+                    f"tensor {info.name} in {f.path} uses it"
+                )
+            names[info.name] = hf
+
+        config = model_config_from_hf(_hf_config_dict(f, arch, infos))
+        permuted = arch in _PERMUTED_ARCHS
+        types: dict[str, str] = {}
+        raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
+        by_type: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        for gname, hf in names.items():
+            info = infos[gname]
+            data = f.tensor_bytes(info)
+            n_head = None
+            if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
+                n_head = config.num_heads
+            elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
+                n_head = config.num_kv_heads
+            if n_head is not None:
+                # Rows are independent runs of whole blocks, so reordering the bytes reorders the rows.
+                order = _unpermute_rows(n_head, info.shape[0]).numpy()
+                data = data.reshape(info.shape[0], -1)[order].reshape(-1)
+            tname = type_name(info.type_id)
+            types[hf] = tname
+            by_type.setdefault(tname, []).append((hf, info.shape, data))
+            if keep_raw:
+                raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
+            del data  # so close() below can release the mapping when nothing else views it
+
+        # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
+        # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
+        decoded: dict[str, torch.Tensor] = {}
+        for tname, items in by_type.items():
+            flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
+            sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in items]
+            out = dequantize(flat, tname, (sum(sizes),))
+            del flat
+            for (hf, shape, _), piece in zip(items, torch.split(out, sizes)):
+                decoded[hf] = piece.view(shape)
+        del by_type
+        tensors = {hf: decoded[hf] for hf in names.values()}
+        return GGUFCheckpoint(config=config, tensors=tensors, metadata=f.metadata, tensor_types=types, raw=raw)
+    finally:
+        f.close()
+
+
+def read_metadata_config(path: Union[str, Path]) -> ModelConfig:
+    """The ModelConfig of a GGUF file from its header alone (no tensor data is read)."""
+    f = _File(path, with_tensors=True)
+    try:
+        arch = f.metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedError(
+                f"GGUF architecture {arch!r} in {f.path} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        return model_config_from_hf(_hf_config_dict(f, arch, {i.name: i for i in f.infos}))
+    finally:
+        f.close()
