@@ -130,10 +130,14 @@ def _rope_theta(d: dict) -> float:
     return float(rp.get("rope_theta", 10000.0))
 
 
-def _llama_like(d: dict, arch: str, **extra) -> ModelConfig:
+def _llama_like(d: dict, arch: str, *, head_dim_default: Optional[int] = None,
+                sliding_window: Optional[int] = None, **flags) -> ModelConfig:
+    """Llama-shaped families; `flags` are what the family's HF modelling code hard-wires."""
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
-    sw = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+    bias = bool(d.get("attention_bias", False))
+    kw = dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+    kw.update(flags)
     return ModelConfig(
         architecture=arch,
         vocab_size=d["vocab_size"],
@@ -142,21 +146,35 @@ def _llama_like(d: dict, arch: str, **extra) -> ModelConfig:
         num_layers=d["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or hidden // heads,
+        head_dim=d.get("head_dim") or head_dim_default or hidden // heads,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(d),
         rope_scaling=_rope_scaling(d),
-        qkv_bias=bool(d.get("attention_bias", False)),
-        o_bias=bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        sliding_window=sw,
+        sliding_window=sliding_window,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-        **extra,
+        **kw,
     )
+
+
+def _qwen_window(d: dict, arch: str) -> Optional[int]:
+    """Qwen2/3 window every layer or none: HF applies it only with use_sliding_window, from max_window_layers on."""
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    if window is None:
+        return None
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+                                     for i in range(n)]
+    sliding = sum(t == "sliding_attention" for t in types)
+    if sliding == 0:
+        return None
+    if sliding != len(types):
+        raise UnsupportedError(f"{arch} with sliding-window attention on only some layers ({sliding} of {len(types)}) "
+                               "is not supported (supported: all layers or none)")
+    return int(window)
 
 
 def _from_llama(d):
@@ -164,21 +182,43 @@ def _from_llama(d):
 
 
 def _from_mistral(d):
-    return _llama_like(d, "mistral")
+    # HF's Mistral has no biases whatever attention_bias says, and windows every layer unless sliding_window is null.
+    window = d.get("sliding_window", 4096)
+    return _llama_like(d, "mistral", sliding_window=int(window) if window is not None else None,
+                       qkv_bias=False, o_bias=False, mlp_bias=False)
 
 
 def _from_qwen2(d):
-    cfg = _llama_like(d, "qwen2")
-    return cfg.replace(qkv_bias=True, o_bias=False)
+    # Qwen2 hard-wires biases on q/k/v only.
+    return _llama_like(d, "qwen2", sliding_window=_qwen_window(d, "qwen2"), qkv_bias=True, o_bias=False,
+                       mlp_bias=False)
 
 
 def _from_qwen3(d):
-    return _llama_like(d, "qwen3", qk_norm=True)
+    return _llama_like(d, "qwen3", head_dim_default=128, sliding_window=_qwen_window(d, "qwen3"), qk_norm=True,
+                       mlp_bias=False)
+
+
+# GPT-2's activation_function names; "gelu_new" and "gelu_fast" are the tanh approximation written out.
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                     "gelu": "gelu"}
+
+
+def _unsupported_if(arch: str, d: dict, key: str, default: Any, ok: Any) -> None:
+    if d.get(key, default) != ok:
+        raise UnsupportedError(f"{arch} with {key}={d.get(key, default)!r} is not supported (supported: {ok!r})")
 
 
 def _from_gpt2(d):
     hidden, heads = d["n_embd"], d["n_head"]
     act = d.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise UnsupportedError(f"gpt2 activation_function {act!r} is not supported "
+                               f"(supported: {', '.join(_GPT2_ACTIVATIONS)})")
+    # These change the attention scale or add layers; no released checkpoint we target uses them.
+    _unsupported_if("gpt2", d, "scale_attn_weights", True, True)
+    _unsupported_if("gpt2", d, "scale_attn_by_inverse_layer_idx", False, False)
+    _unsupported_if("gpt2", d, "add_cross_attention", False, False)
     return ModelConfig(
         architecture="gpt2",
         vocab_size=d["vocab_size"],
@@ -194,11 +234,11 @@ def _from_gpt2(d):
         norm_bias=True,
         position="learned",
         mlp="gelu",
-        activation="gelu_tanh" if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast") else "gelu",
+        activation=_GPT2_ACTIVATIONS[act],
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
-        tie_word_embeddings=d.get("tie_word_embeddings", True),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -206,29 +246,32 @@ def _from_gpt2(d):
 
 
 def _from_bloom(d):
-    hidden = d.get("hidden_size") or d.get("n_embed")
-    heads = d.get("n_head") or d.get("num_attention_heads")
+    hidden = d.get("hidden_size") or d.get("n_embed") or 64
+    heads = d.get("n_head") or d.get("num_attention_heads") or 8
+    # The residual taken after the norm is a different block wiring; no released BLOOM uses it.
+    _unsupported_if("bloom", d, "apply_residual_connection_post_layernorm", False, False)
     return ModelConfig(
         architecture="bloom",
-        vocab_size=d["vocab_size"],
+        vocab_size=d.get("vocab_size", 250880),
         hidden_size=hidden,
         intermediate_size=4 * hidden,
-        num_layers=d.get("n_layer") or d.get("num_hidden_layers"),
+        num_layers=d.get("n_layer") or d.get("num_hidden_layers") or 2,
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        max_position_embeddings=d.get("seq_length", 2048),
+        # ALiBi has no table to outgrow; this only bounds max_model_len by default.
+        max_position_embeddings=d.get("seq_length") or 2048,
         norm_eps=d.get("layer_norm_epsilon", 1e-5),
         norm="layer",
         norm_bias=True,
         position="alibi",
         mlp="gelu",
-        activation="gelu_tanh",
+        activation="gelu_tanh",  # bloom_gelu_forward: the tanh approximation
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
         embedding_norm=True,
-        tie_word_embeddings=d.get("tie_word_embeddings", True),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         torch_dtype=d.get("torch_dtype") or d.get("dtype"),

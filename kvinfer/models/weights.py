@@ -68,11 +68,110 @@ def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> 
     return out
 
 
+def _transpose(cfg: ModelConfig, t: torch.Tensor) -> torch.Tensor:
+    # GPT-2's Conv1D stores [in, out]; nn.Linear wants [out, in].
+    return t.t().contiguous()
+
+
+def _bloom_qkv(cfg: ModelConfig, t: torch.Tensor) -> torch.Tensor:
+    # BLOOM fuses q/k/v per head: rows are [heads, 3, head_dim]; ours are [q heads; k heads; v heads].
+    h, d = cfg.num_heads, cfg.head_dim
+    parts = t.reshape(h, 3, d, *t.shape[1:])  # [heads, 3, dim, (hidden)]
+    return torch.cat([parts[:, j].reshape(h * d, *t.shape[1:]) for j in range(3)], dim=0)
+
+
+_Rule = tuple[str, Callable[[ModelConfig, torch.Tensor], torch.Tensor] | None]
+
+# GPT-2: names are the same with or without the "transformer." prefix (the original hub files lack it).
+_GPT2_GLOBAL: dict[str, _Rule] = {
+    "wte.weight": ("embed.weight", None),
+    "wpe.weight": ("pos_embed.weight", None),
+    "ln_f.weight": ("norm.weight", None),
+    "ln_f.bias": ("norm.bias", None),
+    "lm_head.weight": ("lm_head.weight", None),
+}
+_GPT2_LAYER: dict[str, _Rule] = {
+    "ln_1.weight": ("input_norm.weight", None),
+    "ln_1.bias": ("input_norm.bias", None),
+    "attn.c_attn.weight": ("attn.qkv.weight", _transpose),  # already [q; k; v] along the output dim
+    "attn.c_attn.bias": ("attn.qkv.bias", None),
+    "attn.c_proj.weight": ("attn.o.weight", _transpose),
+    "attn.c_proj.bias": ("attn.o.bias", None),
+    "ln_2.weight": ("post_attn_norm.weight", None),
+    "ln_2.bias": ("post_attn_norm.bias", None),
+    "mlp.c_fc.weight": ("mlp.up.weight", _transpose),
+    "mlp.c_fc.bias": ("mlp.up.bias", None),
+    "mlp.c_proj.weight": ("mlp.down.weight", _transpose),
+    "mlp.c_proj.bias": ("mlp.down.bias", None),
+}
+# Old GPT-2 checkpoints carry the causal-mask buffers as tensors; the mask is ours to build.
+_GPT2_SKIP = {"attn.bias", "attn.masked_bias"}
+
+_BLOOM_GLOBAL: dict[str, _Rule] = {
+    "word_embeddings.weight": ("embed.weight", None),
+    "word_embeddings_layernorm.weight": ("embed_norm.weight", None),
+    "word_embeddings_layernorm.bias": ("embed_norm.bias", None),
+    "ln_f.weight": ("norm.weight", None),
+    "ln_f.bias": ("norm.bias", None),
+    "lm_head.weight": ("lm_head.weight", None),
+}
+_BLOOM_LAYER: dict[str, _Rule] = {
+    "input_layernorm.weight": ("input_norm.weight", None),
+    "input_layernorm.bias": ("input_norm.bias", None),
+    "self_attention.query_key_value.weight": ("attn.qkv.weight", _bloom_qkv),
+    "self_attention.query_key_value.bias": ("attn.qkv.bias", _bloom_qkv),
+    "self_attention.dense.weight": ("attn.o.weight", None),
+    "self_attention.dense.bias": ("attn.o.bias", None),
+    "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "post_attention_layernorm.bias": ("post_attn_norm.bias", None),
+    "mlp.dense_h_to_4h.weight": ("mlp.up.weight", None),
+    "mlp.dense_h_to_4h.bias": ("mlp.up.bias", None),
+    "mlp.dense_4h_to_h.weight": ("mlp.down.weight", None),
+    "mlp.dense_4h_to_h.bias": ("mlp.down.bias", None),
+}
+_H_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)$")
+
+
+def _map_renamed(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], global_rules: dict[str, _Rule],
+                 layer_rules: dict[str, _Rule], skip: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor per parameter, renamed and optionally reshaped (GPT-2, BLOOM)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        m = _H_RE.match(name)
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            if rest in skip:
+                continue
+            rule = layer_rules.get(rest)
+            if rule is None:
+                raise ModelLoadError(f"unexpected tensor {name!r} in a {cfg.architecture} checkpoint")
+            ours, fn = rule
+            out[f"layers.{i}.{ours}"] = fn(cfg, t) if fn else t
+            continue
+        short = name[len("transformer."):] if name.startswith("transformer.") else name
+        rule = global_rules.get(short)
+        if rule is None:
+            raise ModelLoadError(f"unexpected tensor {name!r} in a {cfg.architecture} checkpoint")
+        ours, fn = rule
+        out[ours] = fn(cfg, t) if fn else t
+    return out
+
+
+def map_gpt2(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return _map_renamed(cfg, tensors, _GPT2_GLOBAL, _GPT2_LAYER, frozenset(_GPT2_SKIP))
+
+
+def map_bloom(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return _map_renamed(cfg, tensors, _BLOOM_GLOBAL, _BLOOM_LAYER)
+
+
 WEIGHT_MAPS: dict[str, Callable[[ModelConfig, Iterable[tuple[str, torch.Tensor]]], dict[str, torch.Tensor]]] = {
     "llama": map_llama,
     "mistral": map_llama,
     "qwen2": map_llama,
     "qwen3": map_llama,
+    "gpt2": map_gpt2,
+    "bloom": map_bloom,
 }
 
 
