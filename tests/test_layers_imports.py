@@ -1,0 +1,63 @@
+"""Imports point down the layers of design.md only; the scheduler and block bookkeeping never import torch."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
+
+LAYERS = {
+    0: ["errors", "config", "sampling_params", "utils"],
+    1: ["layers", "sampler", "request", "detokenizer"],
+    2: ["models", "loaders", "kv"],
+    3: ["scheduler", "engine.model_runner"],
+    4: ["engine"],
+    5: ["server", "cli", "bench", "lab"],
+}
+TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "request", "sampling_params", "errors", "config"]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            if module == p or module.startswith(p + "."):
+                if best is None or len(p) > best[1]:
+                    best = (layer, len(p))
+    assert best is not None, f"module kvinfer.{module} has no layer in this test's table"
+    return best[0]
+
+
+def modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        if parts:
+            yield ".".join(parts), path
+
+
+def imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_imports_point_down():
+    bad = []
+    for mod, path in modules():
+        mine = layer_of(mod)
+        for imp in imports(path):
+            if imp.startswith("kvinfer.") and imp != "kvinfer":
+                theirs = layer_of(imp[len("kvinfer."):])
+                if theirs > mine:
+                    bad.append(f"kvinfer.{mod} (L{mine}) imports {imp} (L{theirs})")
+    assert not bad, "\n".join(bad)
+
+
+def test_bookkeeping_is_torch_free():
+    for mod in TORCH_FREE:
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        assert not [i for i in imports(path) if i.split(".")[0] in ("torch", "numpy")], mod
