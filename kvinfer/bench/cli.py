@@ -192,7 +192,18 @@ def cmd_throughput(args) -> int:
             rows.append(dict(name=f"transformers (static batches of {args.hf_batch_size})", **r))
             del m
         elif peer == "llama.cpp":
-            print("llama.cpp throughput comparison is not implemented yet (issue 7)", file=sys.stderr)
+            from kvinfer.bench.peers import llama_cpp_throughput, load_llama_cpp
+
+            if path is None or not path.is_file():
+                print("llama.cpp needs a GGUF model; skipped", file=sys.stderr)
+                continue
+            llm_cpp = load_llama_cpp(path, 1024, _threads())
+            if llm_cpp is None:
+                print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
+                continue
+            r = llama_cpp_throughput(llm_cpp, work)
+            rows.append(dict(name="llama.cpp (llama-cpp-python, sequential)", **r))
+            del llm_cpp
     for r in rows:
         r["kvinfer_vs_this"] = ours["tps"] / r["tps"]
     if args.json:

@@ -90,3 +90,18 @@ def llama_cpp_decode(llm, prompt_ids: list[int], new_tokens: int) -> Optional[di
         if len(times) >= new_tokens:
             break
     return dict(ttft=times[0] - t0, decode_tps=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times))
+
+
+def llama_cpp_throughput(llm, requests) -> dict:
+    """llama-cpp-python's Python API runs one sequence at a time: the workload back to back."""
+    useful = 0
+    t0 = time.perf_counter()
+    for r in requests:
+        n = 0
+        for _tok in llm.generate(r.prompt_token_ids, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n >= r.output_tokens:
+                break
+        useful += n
+    secs = time.perf_counter() - t0
+    return dict(seconds=secs, useful_tokens=useful, tps=useful / secs)
