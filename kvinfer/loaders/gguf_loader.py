@@ -389,6 +389,16 @@ def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
+_FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
+
+
+def _fusion_order(hf_name: str) -> tuple:
+    m = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.(weight|bias)$", hf_name)
+    if not m:
+        return (-1, 0, hf_name)
+    return (int(m.group(1)), _FUSION_RANK.get(m.group(2), 9), m.group(3), hf_name)
+
+
 def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
     """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names."""
     f = _File(path, with_tensors=True)
@@ -447,6 +457,8 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = {}
         for tname, items in by_type.items():
+            # q, k, v and gate, up side by side: the decoder fuses them, and adjacent pieces fuse as a view.
+            items.sort(key=lambda it: _fusion_order(it[0]))
             flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
             sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in items]
             out = dequantize(flat, tname, (sum(sizes),))

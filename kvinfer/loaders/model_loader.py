@@ -167,8 +167,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
             from kvinfer.loaders.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_hf_dir(Path(ecfg.tokenizer))
-    if dtype != torch.float32:
-        model = model.to(dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
     model.eval()
     secs = time.perf_counter() - t0
     log.info("loaded %s (%s) in %.2f s: %d layers, hidden %d, %s on %s", src.path or ecfg.model, src.kind, secs,

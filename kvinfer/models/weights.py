@@ -35,6 +35,25 @@ _LLAMA_FUSED = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0, but a free view when the parts already sit back to back in one buffer.
+
+    The GGUF loader lays q, k, v (and gate, up) out adjacently, so fusing them costs no copy.
+    """
+    first = parts[0]
+    adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+                   and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts)
+    if adjacent:
+        for a, b in zip(parts, parts[1:]):
+            if a.storage_offset() + a.numel() != b.storage_offset():
+                adjacent = False
+                break
+    if not adjacent:
+        return torch.cat(parts, dim=0)
+    rows = sum(p.shape[0] for p in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
 def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -62,7 +81,7 @@ def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> 
             if len(have) != len(srcs):
                 missing = sorted(set(srcs) - set(have))
                 raise ModelLoadError(f"layer {i} lacks {missing}")
-            out[f"layers.{i}.{ours}"] = torch.cat([parts.pop(s) for s in srcs], dim=0)
+            out[f"layers.{i}.{ours}"] = cat_rows([parts.pop(s) for s in srcs])
         if parts:
             raise ModelLoadError(f"unexpected tensors in layer {i}: {sorted(parts)}")
     return out
@@ -188,9 +207,18 @@ def load_into(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[
     unexpected = sorted(set(state) - set(params))
     if missing or unexpected:
         raise ModelLoadError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, t in state.items():
-            p = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
-            p.copy_(t)
+    for name, t in state.items():
+        p = params[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
+    # assign=True adopts the checkpoint tensors instead of copying them (the loader converts dtype and
+    # device afterwards, once).
+    model.load_state_dict({k: _aligned(t) for k, t in state.items()}, strict=True, assign=True)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # BLAS kernels pick code paths by alignment; a misaligned weight (e.g. inside a safetensors file) could
+    # change results in the last bit, so adopt only contiguous 64-byte-aligned tensors, copy the rest.
+    if t.is_contiguous() and t.data_ptr() % 64 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
