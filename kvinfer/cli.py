@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> No
     g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's own)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: bfloat16)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
+                   help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 blocks and decode with kvinfer's CPU kernels; "
+                        "auto: gguf for GGUF models on CPU in float32 (default), none: dequantize to float")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
                    help=f"KV cache backend (default: {kv_default}); none recomputes every step")
@@ -43,6 +46,7 @@ def engine_config_from_args(args):
 
     mem = parse_size(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                        quantization=args.quantization,
                         kv_cache=args.kv_cache, block_size=args.block_size, kv_cache_memory=mem,
                         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

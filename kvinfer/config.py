@@ -362,6 +362,7 @@ KV_BACKENDS = ("paged", "contiguous", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"
     load_format: str = "auto"
+    # gguf: keep a GGUF's quantised blocks and multiply small batches with kvinfer's kernels; none: float only;
+    # auto: gguf for GGUF files on CPU in float32 when the kernels build, none otherwise.
+    quantization: str = "auto"
     kv_cache: str = "paged"
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes; None: derived from kv_cache_fraction
@@ -394,6 +398,8 @@ class EngineConfig:
             raise ValidationError("device", self.device, f"must be one of {', '.join(DEVICES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValidationError("load_format", self.load_format, f"must be one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValidationError("quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValidationError("block_size", self.block_size, "must be in [1, 1024]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

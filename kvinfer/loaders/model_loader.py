@@ -111,6 +111,25 @@ def _init_buffers(model: Decoder, cfg: ModelConfig, max_positions: int, device) 
         model.alibi = alibi_slopes(cfg.num_heads).to(device)
 
 
+def _use_gguf_kernels(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if setting == "none":
+        return False
+    fits = device.type == "cpu" and dtype == torch.float32
+    if setting == "gguf":
+        if not fits:
+            raise ValidationError("quantization", setting, "GGUF kernels run on the CPU in float32 only")
+        from kvinfer import kernels
+
+        if not kernels.available():
+            raise ValidationError("quantization", setting, f"kernels unavailable: {kernels.unavailable_reason()}")
+        return True
+    if not fits:
+        return False
+    from kvinfer import kernels
+
+    return kernels.available()
+
+
 def _dummy_init(model: Decoder, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -132,6 +151,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float
+    quantized_modules: int = 0  # linears (and embedding) running on GGUF blocks with kvinfer's kernels
 
 
 def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> LoadedModel:
@@ -142,11 +162,13 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
     cfg = src.config
     max_positions = max_positions or cfg.max_position_embeddings
     tokenizer = None
+    quant = False
     if src.kind == "gguf":
         from kvinfer.loaders.gguf_loader import read_gguf
         from kvinfer.loaders.tokenizer import Tokenizer
 
-        ckpt = read_gguf(src.path)
+        quant = _use_gguf_kernels(ecfg.quantization, device, dtype)
+        ckpt = read_gguf(src.path, keep_raw=quant)
         cfg = ckpt.config
         model = build_model(cfg, max_positions, torch.float32, device)
         load_into(model, cfg, ckpt.tensors.items())
@@ -169,7 +191,15 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
             tokenizer = Tokenizer.from_hf_dir(Path(ecfg.tokenizer))
     model = model.to(device=device, dtype=dtype)
     model.eval()
+    quantized = 0
+    if src.kind == "gguf" and quant:
+        from kvinfer.models.quantize import quantize_from_gguf
+
+        quantized = quantize_from_gguf(model, ckpt.raw)
+        del ckpt
+    elif ecfg.quantization == "gguf":
+        raise ValidationError("quantization", "gguf", "needs a GGUF model on the CPU in float32")
     secs = time.perf_counter() - t0
     log.info("loaded %s (%s) in %.2f s: %d layers, hidden %d, %s on %s", src.path or ecfg.model, src.kind, secs,
              cfg.num_layers, cfg.hidden_size, str(dtype).replace("torch.", ""), device)
-    return LoadedModel(cfg, model, tokenizer, src, dtype, device, secs)
+    return LoadedModel(cfg, model, tokenizer, src, dtype, device, secs, quantized)

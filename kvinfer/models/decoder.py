@@ -61,5 +61,6 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()  # [n, vocab]
+        if self.lm_head is None:  # tied
+            return (hidden @ self.embed.weight.t()).float()  # [n, vocab]
+        return self.lm_head(hidden).float()

@@ -1,0 +1,207 @@
+"""Linear layers and embeddings that keep GGML-quantised weights, multiplying small batches with kvinfer.kernels."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvinfer import kernels
+from kvinfer.loaders.dequant import block_info, dequantize, nbytes_for, type_name
+
+# Up to this many rows (tokens) per call the quantised kernel runs; beyond it a float32 copy of the weight and
+# torch's GEMM. Measured on a 2-core AVX2 EPYC, 1 thread, ms per call, kernel vs float32 mm: the kernel wins
+# clearly up to 16 rows, about ties at 32 (0.53 vs 0.59 for 960x576, 0.32 vs 0.30 for 576x576) and loses by
+# 10-20% from 64 rows on, where MKL's blocking pays off. The vocabulary-sized LM head (49152x576 Q8_0, whose
+# float32 copy is 113 MB) is different: the kernel wins up to 128 rows and trails by only 5-12% at 256-512, so
+# QuantEmbedding.as_linear() never switches.
+DEFAULT_KERNEL_MAX_ROWS = 32
+
+RawWeight = Union[torch.Tensor, np.ndarray]
+
+
+def _raw_tensor(raw: RawWeight, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The raw bytes as a contiguous uint8 tensor [rows, row_bytes], checked against qtype and shape."""
+    rows, cols = (int(s) for s in shape)
+    row_bytes = nbytes_for(qtype, (cols,))
+    if isinstance(raw, np.ndarray):
+        arr = np.ascontiguousarray(raw).view(np.uint8)
+        if not arr.flags.writeable:  # torch.from_numpy warns on read-only memory (an mmap): own a copy
+            arr = arr.copy()
+        t = torch.from_numpy(arr)
+    else:
+        t = raw.detach()
+        if t.dtype != torch.uint8:
+            t = t.contiguous().view(torch.uint8)
+    if t.numel() != rows * row_bytes:
+        raise ValueError(f"{qtype} weight of shape {[rows, cols]} needs {rows * row_bytes} bytes, got {t.numel()}")
+    return t.reshape(rows, row_bytes).contiguous()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b with W kept as raw GGML blocks (any type dequant.py knows).
+
+    Batches of up to `kernel_max_rows` rows (decode steps) go to the quantised kernel when the type is one it
+    implements (Q4_0, Q4_1, Q8_0), the input is float32 on CPU and the kernel could be built; results equal
+    x @ dequantize(W)^T up to float32 summation order. Larger batches (prefill), other types and devices use a
+    float32 copy of W with F.linear.
+
+    Memory: the float32 copy costs 4 bytes per weight (6.4x a Q4_1 weight, 3.8x Q8_0). With
+    keep_dequantized=True (default) it is made on the first large batch and kept, so a model that prefills
+    holds both forms; keep_dequantized=False dequantizes on every large call instead, which costs about as
+    much as the GEMM itself at 64 rows (3.5 ms for 3072x576 Q4_1), so it only suits rare long prompts;
+    kernel_max_rows=None sends every batch to the kernel, never making the copy (prefill 10-20% slower).
+    """
+
+    def __init__(self, raw: RawWeight, qtype, shape: Sequence[int], bias: Optional[torch.Tensor] = None, *,
+                 kernel_max_rows: Optional[int] = DEFAULT_KERNEL_MAX_ROWS, keep_dequantized: bool = True):
+        super().__init__()
+        self.qtype = type_name(qtype)
+        block_info(self.qtype)  # unsupported types fail here, not at the first forward
+        self.out_features, self.in_features = (int(s) for s in shape)
+        self.register_buffer("raw", _raw_tensor(raw, self.qtype, (self.out_features, self.in_features)))
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).reshape(self.out_features).contiguous()
+        self.register_buffer("bias", bias)
+        self.kernel_max_rows = kernel_max_rows
+        self.keep_dequantized = keep_dequantized
+        self._qt = kernels.QTYPES.get(self.qtype)
+        # Set up at the first forward, so that constructing a model never waits for the compiler.
+        self._kernel: Optional[kernels.PreparedMatmul] = None
+        self._kernel_checked = False
+        self._weight: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_raw(cls, raw: RawWeight, qtype, shape: Sequence[int], bias: Optional[torch.Tensor] = None,
+                 **kwargs) -> "QuantLinear":
+        """From read_gguf(keep_raw=True).raw[name] parts: bytes uint8 [N, row_bytes], type name, (N, K)."""
+        return cls(raw, qtype, shape, bias, **kwargs)
+
+    @classmethod
+    def concat(cls, layers: Sequence["QuantLinear"], **kwargs) -> "QuantLinear":
+        """One layer whose outputs are the given layers' outputs side by side (fused QKV or gate+up).
+
+        GGML rows are independent, so this only stacks the raw rows; all layers need the same type and K.
+        """
+        first = layers[0]
+        if any(m.qtype != first.qtype or m.in_features != first.in_features for m in layers):
+            raise ValueError("concat needs layers of one quant type and input size")
+        raw = torch.cat([m.raw for m in layers], dim=0)
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        kwargs.setdefault("kernel_max_rows", first.kernel_max_rows)
+        kwargs.setdefault("keep_dequantized", first.keep_dequantized)
+        return cls(raw, first.qtype, (raw.shape[0], first.in_features), bias, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"bias={self.bias is not None}, kernel_max_rows={self.kernel_max_rows}")
+
+    def __getstate__(self):
+        # Caches only: a copy or unpickled layer rebuilds them on first use (and may land where the kernels
+        # cannot be built).
+        state = dict(self.__dict__)
+        state.update(_kernel=None, _kernel_checked=False, _weight=None)
+        return state
+
+    def _apply(self, fn, *args, **kwargs):
+        self._weight = None  # the cached copy would not follow a device move
+        return super()._apply(fn, *args, **kwargs)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W as float32 [N, K] (cached when keep_dequantized)."""
+        w = self._weight
+        if w is None:
+            w = dequantize(self.raw, self.qtype, (self.out_features, self.in_features))
+            if self.keep_dequantized:
+                self._weight = w
+        return w
+
+    def uses_kernel(self) -> bool:
+        """Whether small float32 CPU batches go to the quantised kernel."""
+        if not self._kernel_checked:
+            if self._qt is not None and kernels.available():
+                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw.shape[1],
+                                                      self.qtype)
+            self._kernel_checked = True
+        return self._kernel is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        t = x2.shape[0]
+        lim = self.kernel_max_rows
+        raw = self.raw
+        # The kernel has no backward: inputs that need gradients take the torch route.
+        if ((lim is None or t <= lim) and x2.dtype == torch.float32 and x2.is_cpu and raw.is_cpu
+                and x2.shape[1] == k and not x2.requires_grad and (self._kernel is not None or self.uses_kernel())):
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            y = torch.empty((t, n), dtype=torch.float32)
+            self._kernel.run(x2.data_ptr(), t, raw.data_ptr(), y.data_ptr(), torch.get_num_threads())
+            if self.bias is not None:
+                y.add_(self.bias)
+        else:
+            w = self.dequantized_weight()
+            if w.dtype != x2.dtype:
+                w = w.to(x2.dtype)
+            bias = self.bias if self.bias is None or self.bias.dtype == x2.dtype else self.bias.to(x2.dtype)
+            y = F.linear(x2, w, bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Rows `ids` of a GGML matrix (uint8 [vocab, row_bytes]) as float32 [*ids.shape, dim], decoding only them.
+
+    dim (the row length in elements) is inferred from row_bytes when not given.
+    """
+    name = type_name(qtype)
+    if raw.ndim != 2:
+        raise ValueError("raw must be [rows, row_bytes]")
+    if dim is None:
+        elems, nbytes = block_info(name)
+        dim = raw.shape[1] // nbytes * elems
+    if isinstance(raw, torch.Tensor):
+        flat = ids.reshape(-1).to(device=raw.device, dtype=torch.long)
+        rows = raw.index_select(0, flat)
+    else:  # gather in numpy: only the picked rows are copied, even from a read-only mmap
+        flat = ids.reshape(-1).cpu().numpy()
+        rows = torch.from_numpy(np.ascontiguousarray(raw[flat]).view(np.uint8))
+    return dequantize(rows, name, (len(flat), dim)).reshape(*ids.shape, dim)
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding over a raw GGML matrix: lookups decode only the rows they touch.
+
+    as_linear() gives the tied LM head over the same bytes (no copy).
+    """
+
+    def __init__(self, raw: RawWeight, qtype, shape: Sequence[int]):
+        super().__init__()
+        self.qtype = type_name(qtype)
+        self.num_embeddings, self.embedding_dim = (int(s) for s in shape)
+        self.register_buffer("raw", _raw_tensor(raw, self.qtype, (self.num_embeddings, self.embedding_dim)))
+
+    @classmethod
+    def from_raw(cls, raw: RawWeight, qtype, shape: Sequence[int]) -> "QuantEmbedding":
+        return cls(raw, qtype, shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quantized_embedding_rows(self.raw, self.qtype, ids, self.embedding_dim)
+
+    def as_linear(self, **kwargs) -> QuantLinear:
+        """A QuantLinear (logits = h @ E^T) sharing this embedding's raw tensor.
+
+        Every batch size goes to the kernel by default: the float32 copy of a vocabulary-sized matrix is large
+        (113 MB for 49152x576) and gains nothing below 256 rows, only 5-12% above.
+        """
+        kwargs.setdefault("kernel_max_rows", None)
+        lin = QuantLinear(self.raw, self.qtype, (self.num_embeddings, self.embedding_dim), **kwargs)
+        lin.raw = self.raw  # the very same tensor: _raw_tensor may have returned a view of it
+        return lin

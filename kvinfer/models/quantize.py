@@ -1,0 +1,68 @@
+"""Swaps a loaded decoder's linear layers for QuantLinear over the GGUF blocks (applied from outside the model)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kvinfer import kernels
+from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
+
+log = logging.getLogger("kvinfer")
+
+# (our module path within a layer, the checkpoint tensors fused into it, in order)
+_LLAMA_LINEARS = [
+    ("attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("attn.o", ("self_attn.o_proj",)),
+    ("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.down", ("mlp.down_proj",)),
+]
+
+
+def kernel_types() -> set[str]:
+    return set(kernels.QTYPES)
+
+
+def _swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
+    setattr(parent, attr, new)
+
+
+def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
+    """Replace every linear whose GGUF parts share a kernel-supported type; returns how many were swapped.
+
+    `raw` is read_gguf(keep_raw=True).raw: HF name -> (uint8 [rows, row_bytes], type name, shape). The float32
+    weights already loaded become the QuantLinear's copy for large batches (prefill), so nothing is dequantized
+    twice; small batches (decode) read the 4-8x smaller blocks instead.
+    """
+    ok_types = kernel_types()
+    swapped = 0
+    for i, layer in enumerate(model.layers):
+        for ours, parts in _LLAMA_LINEARS:
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            if not all(n in raw for n in names):
+                continue
+            types = {raw[n][1] for n in names}
+            if len(types) != 1 or types.pop() not in ok_types:
+                continue
+            holder_name, attr = ours.split(".")
+            holder = getattr(layer, holder_name)
+            old: nn.Linear = getattr(holder, attr)
+            q = QuantLinear.concat([QuantLinear.from_raw(*raw[n]) for n in names])
+            if old.bias is not None:
+                q.bias = old.bias.detach().float().contiguous()
+            q._weight = old.weight.detach()  # the prefill copy, already dequantized by the loader
+            _swap(holder, attr, q)
+            swapped += 1
+    emb = raw.get("model.embed_tokens.weight")
+    if emb is not None and emb[1] in ok_types:
+        qe = QuantEmbedding.from_raw(*emb)
+        if model.lm_head is None:  # tied: the same blocks serve as the LM head
+            model.lm_head = qe.as_linear()
+        model.embed = qe
+        swapped += 1
+    head = raw.get("lm_head.weight")
+    if head is not None and head[1] in ok_types and isinstance(model.lm_head, nn.Linear):
+        model.lm_head = QuantLinear.from_raw(*head, kernel_max_rows=None)
+        swapped += 1
+    return swapped

@@ -1,0 +1,307 @@
+"""The quantised matmul kernels (kvinfer.kernels) and the layers built on them (QuantLinear, QuantEmbedding)."""
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import pickle
+import threading
+
+import gguf  # a hard dependency: if missing, these tests must fail, not skip
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import kvinfer.kernels as kernels
+from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, quantized_embedding_rows
+from kvinfer.loaders.dequant import dequantize
+
+# The float32 routes compute x @ dequantize(W)^T with a different summation order only, so against a float64
+# reference the error is float32 rounding: observed up to 2e-6 of max|y| at K=1536. The bound leaves 10x room
+# while still catching any wrong element, block scale or offset (those give errors of order 1e-2 and up).
+TOL = 2e-5
+# The int8-activation route rounds x to 8 bits per block: about 1% of max|y|.
+TOL_I8 = 5e-2
+QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def make_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    w[:, : min(k, 32)] += 0.05  # blocks with a non-zero mean give Q4_1 a real offset
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+def reference(x: torch.Tensor, raw, qtype: str, n: int, k: int) -> torch.Tensor:
+    return x.double() @ dequantize(raw, qtype, (n, k)).double().T
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def test_kernels_build_on_this_machine():
+    # This machine has gcc and AVX2: not building is a failure, never a skip.
+    assert kernels.available(), kernels.unavailable_reason()
+    assert kernels.unavailable_reason() is None
+    assert kernels.library_path().exists()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k", [(37, 64), (129, 576), (61, 1536), (5, 32)])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13])
+def test_qgemv_matches_dequantized_matmul(qtype, n, k, m):
+    raw = make_raw(qtype, n, k, seed=n + k)
+    w = torch.from_numpy(raw)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = reference(x, raw, qtype, n, k)
+    y = kernels.qgemv(x, w, qtype)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert rel_err(y, ref) < TOL
+    assert rel_err(kernels.qgemv(x, w, qtype, impl="scalar"), ref) < TOL
+    assert rel_err(kernels.qgemv(x, w, qtype, impl="avx2_i8"), ref) < TOL_I8
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_qgemv_large_batches_and_cache_blocking(qtype):
+    # 40 rows: five 8-row tiles; K=1536: several K chunks; N=1001 at K=576: more than one weight slab.
+    for n, k in [(1001, 576), (70, 1536)]:
+        raw = make_raw(qtype, n, k, seed=3)
+        x = torch.randn(40, k)
+        assert rel_err(kernels.qgemv(x, torch.from_numpy(raw), qtype), reference(x, raw, qtype, n, k)) < TOL
+
+
+def test_qgemv_strided_rows_and_out():
+    n, k, m = 67, 576, 5
+    raw = make_raw("Q4_1", n, k)
+    xbig = torch.randn(m, k + 40)
+    x = xbig[:, 7:7 + k]  # row stride k + 40
+    outbig = torch.full((m, n + 9), 123.0)
+    out = outbig[:, 2:2 + n]
+    y = kernels.qgemv(x, torch.from_numpy(raw), "Q4_1", out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_err(out, reference(x, raw, "Q4_1", n, k)) < TOL
+    assert (outbig[:, :2] == 123.0).all() and (outbig[:, 2 + n:] == 123.0).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_thread_counts_agree(qtype, m):
+    # Big enough for the kernel to really use two threads; each output is computed the same way whichever
+    # thread owns its row, so the results are bitwise equal.
+    n, k = 960, 576
+    w = torch.from_numpy(make_raw(qtype, n, k))
+    x = torch.randn(m, k)
+    y1 = kernels.qgemv(x, w, qtype, num_threads=1)
+    y2 = kernels.qgemv(x, w, qtype, num_threads=2)
+    assert torch.equal(y1, y2)
+    assert torch.equal(kernels.qgemv(x, w, qtype), y1)  # default: torch.get_num_threads()
+
+
+def test_qgemv_rejects_bad_arguments():
+    w = torch.from_numpy(make_raw("Q4_1", 8, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError):
+        kernels.qgemv(x, w, "Q6_K")
+    with pytest.raises(ValueError):
+        kernels.qgemv(x.double(), w, "Q4_1")
+    with pytest.raises(ValueError):
+        kernels.qgemv(torch.randn(2, 96), w, "Q4_1")  # rows too short for K
+    with pytest.raises(ValueError):
+        kernels.qgemv(torch.randn(2, 48), w, "Q4_1")  # K not whole blocks
+    with pytest.raises(ValueError):
+        kernels.qgemv(x, w, "Q4_1", out=torch.empty(2, 7))
+    with pytest.raises(ValueError):
+        kernels.qgemv(x, w, "Q4_1", impl="avx512")
+    assert kernels.qgemv(torch.empty(0, 64), w, "Q4_1").shape == (0, 8)
+
+
+def test_one_openmp_runtime_shared_with_torch():
+    # Our -fopenmp library must bind to the libgomp torch already loaded (same soname), not bring a second
+    # runtime with its own thread pool.
+    assert kernels.available()
+    with open("/proc/self/maps") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) == 1, gomps
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """kernels with its load state cleared and an empty cache; restored afterwards."""
+    monkeypatch.setenv("KVINFER_CACHE", str(tmp_path))
+    kernels._reset()
+    yield kernels
+    monkeypatch.undo()
+    kernels._reset()
+    assert kernels.available()
+
+
+def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(fresh_kernels, "CC", "kvinfer-no-such-cc")
+    assert fresh_kernels.available() is False
+    reason = fresh_kernels.unavailable_reason()
+    assert "kvinfer-no-such-cc" in reason and "not found" in reason
+    with pytest.raises(RuntimeError, match="not found"):
+        fresh_kernels.qgemv(torch.randn(1, 32), torch.zeros(1, 20, dtype=torch.uint8), "Q4_1")
+    # Layers fall back to the dequantized weight and still compute the right thing.
+    raw = make_raw("Q4_1", 33, 64)
+    lin = QuantLinear.from_raw(raw, "Q4_1", (33, 64))
+    x = torch.randn(2, 64)
+    assert not lin.uses_kernel()
+    assert rel_err(lin(x), reference(x, raw, "Q4_1", 33, 64)) < TOL
+
+
+def test_failing_compiler_missing_avx2_and_switch_off_report_unavailable(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(fresh_kernels, "CC", "false")  # exists, exits 1
+    assert not fresh_kernels.available()
+    assert "failed" in fresh_kernels.unavailable_reason()
+    fresh_kernels._reset()
+    monkeypatch.setattr(fresh_kernels, "_cpu_has_avx2", lambda: (False, "CPU lacks avx2"))
+    assert not fresh_kernels.available()
+    assert "lacks avx2" in fresh_kernels.unavailable_reason()
+    fresh_kernels._reset()
+    monkeypatch.setenv("KVINFER_KERNELS", "0")
+    assert not fresh_kernels.available()
+    assert "KVINFER_KERNELS" in fresh_kernels.unavailable_reason()
+
+
+PLAIN_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+
+
+def test_scalar_only_build(tmp_path, monkeypatch):
+    # Without -mavx2 the source compiles to the portable scalar route alone (what a non-AVX2 host would get).
+    monkeypatch.setenv("KVINFER_CACHE", str(tmp_path))
+    lib = kernels.load(flags=PLAIN_FLAGS)
+    assert lib.kvq_built_with_avx2() == 0
+    n, k, m = 21, 96, 3
+    raw = make_raw("Q4_1", n, k)
+    x = torch.randn(m, k)
+    y = torch.empty(m, n)
+    w = torch.from_numpy(raw)
+    rc = lib.kvq_matmul(x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[1], 3, y.data_ptr(), n, 1, 0)
+    assert rc == 0
+    assert rel_err(y, reference(x, raw, "Q4_1", n, k)) < TOL
+    assert lib.kvq_matmul(x.data_ptr(), m, k, k, w.data_ptr(), n, w.shape[1], 3, y.data_ptr(), n, 1, 2) == -3
+
+
+def test_build_is_cached_and_safe_in_parallel(tmp_path):
+    out = tmp_path / "k"
+    paths, errors = [], []
+
+    def go():
+        try:
+            paths.append(kernels.build(flags=PLAIN_FLAGS, cache_dir=out))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    path = paths[0]
+    assert sorted(p.name for p in out.iterdir()) == [path.name]  # no temporaries left behind
+    mtime = os.stat(path).st_mtime_ns
+    assert kernels.build(flags=PLAIN_FLAGS, cache_dir=out) == path and os.stat(path).st_mtime_ns == mtime
+    assert kernels.build(cc="kvinfer-no-such-cc", flags=PLAIN_FLAGS, cache_dir=out) == path  # cached: no compiler
+    ctypes.CDLL(str(path)).kvq_built_with_avx2()
+
+
+# --- QuantLinear / QuantEmbedding ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("t", [1, 5, 32, 33, 100])
+def test_quant_linear_matches_dequantized_linear(qtype, t):
+    n, k = 129, 576
+    raw = make_raw(qtype, n, k)
+    bias = torch.randn(n)
+    lin = QuantLinear.from_raw(raw, qtype, (n, k), bias)
+    x = torch.randn(t, k)
+    ref = F.linear(x.double(), dequantize(raw, qtype, (n, k)).double(), bias.double())
+    assert rel_err(lin(x), ref) < TOL
+    # Small batches go to the kernel without ever making the float32 copy; large ones make and keep it.
+    assert lin.uses_kernel()
+    assert (lin._weight is None) == (t <= lin.kernel_max_rows)
+
+
+def test_quant_linear_shapes_strides_and_options():
+    n, k = 40, 64
+    raw = make_raw("Q4_1", n, k)
+    wd = dequantize(raw, "Q4_1", (n, k))
+    lin = QuantLinear.from_raw(torch.from_numpy(raw), "Q4_1", (n, k))
+    x = torch.randn(2, 3, k)
+    y = lin(x)
+    assert y.shape == (2, 3, n)
+    assert rel_err(y, x.double() @ wd.double().T) < TOL
+    xt = torch.randn(k, 4).T  # non-contiguous rows
+    assert rel_err(lin(xt), xt.double() @ wd.double().T) < TOL
+    assert lin(torch.randn(0, k)).shape == (0, n)
+
+    always = QuantLinear.from_raw(raw, "Q4_1", (n, k), kernel_max_rows=None)
+    xb = torch.randn(200, k)
+    assert rel_err(always(xb), xb.double() @ wd.double().T) < TOL and always._weight is None
+    lean = QuantLinear.from_raw(raw, "Q4_1", (n, k), keep_dequantized=False)
+    assert rel_err(lean(xb), xb.double() @ wd.double().T) < TOL and lean._weight is None
+
+    # Other dtypes take the dequantized route in that dtype.
+    yb = lin(x.to(torch.bfloat16))
+    assert yb.dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        QuantLinear.from_raw(raw[:-1], "Q4_1", (n, k))
+
+
+def test_quant_linear_copies_and_pickles():
+    n, k = 48, 64
+    raw = make_raw("Q8_0", n, k)
+    lin = QuantLinear.from_raw(raw, "Q8_0", (n, k), torch.randn(n))
+    x = torch.randn(2, k)
+    y = lin(x)
+    assert lin.uses_kernel()
+    for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert other.raw.data_ptr() != lin.raw.data_ptr()
+        assert torch.equal(other(x), y)
+    del lin
+    assert torch.equal(other(x), y)
+
+
+def test_quant_linear_other_types_fall_back():
+    n, k = 24, 64
+    raw = make_raw("Q5_0", n, k)  # dequant.py knows it, the kernel does not
+    lin = QuantLinear.from_raw(raw, "Q5_0", (n, k))
+    x = torch.randn(1, k)
+    assert not lin.uses_kernel()
+    assert rel_err(lin(x), reference(x, raw, "Q5_0", n, k)) < TOL
+
+
+def test_quant_linear_concat_fuses_outputs():
+    k = 576
+    parts = [QuantLinear.from_raw(make_raw("Q4_1", n, k, seed=n), "Q4_1", (n, k), b)
+             for n, b in [(64, None), (32, torch.randn(32)), (32, None)]]
+    fused = QuantLinear.concat(parts)
+    assert (fused.out_features, fused.in_features) == (128, k)
+    for t in (1, 40):
+        x = torch.randn(t, k)
+        want = torch.cat([p(x) for p in parts], dim=-1)
+        assert rel_err(fused(x), want.double()) < TOL
+
+
+def test_quant_embedding_and_tied_head():
+    vocab, dim = 300, 576
+    raw = make_raw("Q8_0", vocab, dim)
+    full = dequantize(raw, "Q8_0", (vocab, dim))
+    emb = QuantEmbedding.from_raw(raw, "Q8_0", (vocab, dim))
+    ids = torch.tensor([[0, 299, 5], [5, 17, 42]])
+    assert torch.equal(emb(ids), full[ids])  # only a gather of bytes + the same decode: exact
+    assert torch.equal(quantized_embedding_rows(raw, "Q8_0", ids[0]), full[ids[0]])
+    ro = raw.copy()
+    ro.flags.writeable = False  # like read_gguf's mmap-backed arrays
+    assert torch.equal(quantized_embedding_rows(ro, "Q8_0", ids), full[ids])
+    head = emb.as_linear()
+    assert head.raw.data_ptr() == emb.raw.data_ptr()  # no second copy of the matrix
+    h = torch.randn(3, dim)
+    assert rel_err(head(h), h.double() @ full.double().T) < TOL
+    hb = torch.randn(70, dim)  # the head stays on the kernel for every batch size
+    assert rel_err(head(hb), hb.double() @ full.double().T) < TOL and head._weight is None
