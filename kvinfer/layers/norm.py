@@ -13,6 +13,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # HF casts back before the weight multiply; matching it keeps bf16 results identical.

@@ -39,17 +39,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._last_positions = self._last_dtype = self._last = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [tokens, heads, dim], k: [tokens, kv_heads, dim]
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, dim/2]
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._last_positions or q.dtype != self._last_dtype:
+            # Every layer of a step passes the same positions tensor: look the tables up once per step.
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, dim/2]
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+            self._last_positions, self._last_dtype, self._last = positions, q.dtype, (cos, sin)
+        cos, sin = self._last
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
