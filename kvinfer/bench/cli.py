@@ -166,7 +166,7 @@ def cmd_throughput(args) -> int:
     ttft = [o.ttft for o in outs]
     tpot = [o.tpot for o in outs]
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    weights = sum(p.numel() * p.element_size() for p in eng.loaded.model.parameters())
+    weights = eng.loaded.model.weight_bytes()
     kv_budget = eng.kv_cache.nbytes
     util = eng.stats["util_stored"] / max(1, eng.stats["util_capacity"])
     ours = dict(name="kvinfer", seconds=secs, tps=gen / secs, rps=len(work) / secs, generated=gen,

@@ -60,6 +60,18 @@ class Decoder(nn.Module):
             x = layer(x, positions, md, kv)
         return self.norm(x)
 
+    def weight_bytes(self) -> int:
+        """Bytes held for weights: parameters, quantised blocks, and any float copies kept for prefill."""
+        seen, total = set(), 0
+        tensors = list(self.parameters()) + list(self.buffers())
+        tensors += [m._weight for m in self.modules() if getattr(m, "_weight", None) is not None]
+        for t in tensors:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
             return (hidden @ self.embed.weight.t()).float()  # [n, vocab]
