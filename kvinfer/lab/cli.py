@@ -1,0 +1,232 @@
+"""`kvinfer lab kvcache`, `kvinfer plan` and `kvinfer simulate`: the laboratory's command lines."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
+def _backends(text: str) -> list[str]:
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b not in ("none", "contiguous", "paged")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown backend {bad[0] if bad else text!r}; "
+                                         f"choose from none, contiguous, paged")
+    return names
+
+
+def register(sub) -> None:
+    from kvinfer.cli import add_engine_args
+
+    lab = sub.add_parser("lab", help="laboratory experiments (kvcache: no cache vs contiguous vs paged)",
+                         description="Experiments that measure what the textbook asserts.")
+    ls = lab.add_subparsers(dest="lab_command", metavar="EXPERIMENT")
+    lab.set_defaults(func=lambda a: (lab.print_help(), 2)[1])
+
+    k = ls.add_parser(
+        "kvcache", help="the same prompt with no cache, a contiguous and a paged cache: latency, K/V work, memory",
+        description="Generate --tokens tokens greedily (ignore_eos) for one prompt with each KV backend (none, "
+                    "contiguous, paged), timing every engine step. Reports per-token latency by position, total "
+                    "time, K/V projections computed (measured and by formula), peak KV memory and the speedup over "
+                    "no cache; fails if the greedy outputs differ. Writes a CSV, PNG plots and a Markdown table "
+                    "into --out. --kv-cache is ignored: every backend in --backends runs.")
+    from kvinfer.lab.kvcache import DEFAULT_TOKENS
+
+    k.add_argument("--tokens", type=_positive_int("--tokens"), default=DEFAULT_TOKENS,
+                   help=f"tokens to generate (default {DEFAULT_TOKENS}: about two minutes on the built-in model "
+                        f"on 2 CPU cores; 2000 for the seed document's long case)")
+    k.add_argument("--prompt", default=None, help="prompt text (the chat template is applied)")
+    k.add_argument("--prompt-tokens", type=_positive_int("--prompt-tokens"), default=None,
+                   help="use this many seeded random token ids instead of text (automatic for models "
+                        "without a tokenizer: 16)")
+    k.add_argument("--backends", type=_backends, default=["none", "contiguous", "paged"],
+                   help="comma-separated subset of none,contiguous,paged (default: all three)")
+    k.add_argument("--out", default="lab-out", help="directory for the CSV, plots and table (default ./lab-out)")
+    k.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_engine_args(k)
+    k.set_defaults(func=cmd_lab_kvcache)
+
+    p = sub.add_parser(
+        "plan", help="KV memory planner: bytes per token, weights, concurrent requests contiguous vs paged",
+        description="Plan KV-cache memory for a model: KV bytes per token and per max-length request, weight "
+                    "bytes, memory left for KV, and how many requests fit concurrently with a contiguous "
+                    "max-length reservation versus paged blocks for a length distribution. Numbers are per "
+                    "device; --tp divides weights and KV heads.")
+    p.add_argument("--model", "-m", default=None,
+                   help="preset (e.g. llama-2-7b), HF directory, config.json or GGUF file (default: the built-in "
+                        "model)")
+    p.add_argument("--memory", required=True, help="accelerator memory per device, e.g. 40GiB, 80GB")
+    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
+                   help="context window each request may reach (default: the model's)")
+    p.add_argument("--dtype", default="float16", choices=_DTYPES, help="weights and KV dtype (default float16)")
+    p.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
+    p.add_argument("--tp", type=_positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--workload", default=None,
+                   help="request lengths (prompt + output): uniform:A-B, mean:L or mix:W@A-B,...; default a mix "
+                        "of 60%% 128-1024, 30%% 1025-4096, 10%% 4097-8192 clipped to max_model_len")
+    p.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8,
+                   help="also size this many concurrent requests, contiguous vs paged (default 8, the seed "
+                        "document's incident)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser(
+        "simulate", help="the engine's scheduler and paged KV manager over a trace, on a virtual clock",
+        description="Run the engine's Scheduler with its PagedKVManager (and, for comparison, a contiguous "
+                    "max-length reservation of the same memory) over a request trace without model weights. "
+                    "Time advances by a step-time cost model: a + b*batched_tokens + c*decode_seqs + "
+                    "d*context_tokens, fitted on real engine steps. Deterministic for a trace and seed.")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--trace", default=None,
+                     help='JSONL file, one request a line: {"arrival": s, "prompt_tokens": n, "output_tokens": m}')
+    src.add_argument("--synthetic", type=_positive_int("--synthetic"), default=None,
+                     help="N seeded requests like bench throughput: prompt 16-512, output 16-256, all at t=0 "
+                          "(default: 64)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace and of token ids (default 0)")
+    s.add_argument("--model", "-m", default=None,
+                   help="shapes for KV sizing: preset, HF directory, config.json or GGUF (default: built-in)")
+    s.add_argument("--dtype", default="auto", choices=("auto",) + _DTYPES,
+                   help="KV dtype (default auto: what the engine picks on this machine)")
+    s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB (default: the engine's 1GiB)")
+    s.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
+    s.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
+                   help="context window (default: the model's)")
+    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--no-chunked-prefill", action="store_true")
+    s.add_argument("--cost-model", default="fitted",
+                   help="'fitted' (stored coefficients, scaled to --model's shapes) or a,b,c,d in seconds")
+    s.add_argument("--fit", action="store_true",
+                   help="re-measure the cost model on real engine steps with --model (built-in by default) first")
+    s.add_argument("--threads", type=_positive_int("--threads"), default=None, help="torch threads for --fit")
+    s.add_argument("--fit-clock", default="wall", choices=("wall", "cpu"),
+                   help="--fit times steps by wall clock (default) or by this process's CPU time, which other "
+                        "processes cannot inflate (use with --threads 1 on a shared machine)")
+    s.add_argument("--no-compare", action="store_true", help="skip the contiguous comparison run")
+    s.add_argument("--out", default=None, help="directory for a per-request CSV and a KV-use plot (default: none)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_simulate)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- lab kvcache -------------------------------------------------------------------------------
+def cmd_lab_kvcache(args) -> int:
+    from kvinfer.cli import engine_config_from_args
+    from kvinfer.lab.kvcache import LabMismatchError, markdown_table, run_lab, summary, write_outputs
+
+    cfg = engine_config_from_args(args)
+    result = run_lab(cfg, num_tokens=args.tokens, prompt=args.prompt, prompt_tokens=args.prompt_tokens,
+                     backends=args.backends, progress=None if args.json else _progress)
+    files = write_outputs(result, args.out)
+    if args.json:
+        out = summary(result)
+        out["files"] = {k: str(v) for k, v in files.items()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(markdown_table(result))
+        print("Files: " + ", ".join(str(v) for v in files.values()))
+    if not result.identical:
+        raise LabMismatchError(f"{result.mismatch} (results written to {args.out})")
+    return 0
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def cmd_plan(args) -> int:
+    from kvinfer.lab.plan import format_plan, make_plan, parse_workload, resolve_model_config
+    from kvinfer.utils import parse_size
+
+    memory = parse_size(args.memory, "memory")
+    cfg, label = resolve_model_config(args.model)
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    workload = parse_workload(args.workload, max_len)
+    plan = make_plan(cfg, memory, max_len, args.dtype, args.block_size, args.tp, workload, label, args.concurrent)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+def cmd_simulate(args) -> int:
+    from kvinfer.lab import simulate as sim
+    from kvinfer.lab.plan import resolve_model_config
+    from kvinfer.utils import parse_size
+
+    memory = parse_size(args.kv_cache_memory, "kv_cache_memory")
+    mc, label = resolve_model_config(args.model)
+    if args.dtype == "auto":
+        from kvinfer.loaders.model_loader import resolve_device, resolve_dtype
+
+        args.dtype = str(resolve_dtype("auto", resolve_device("auto"))).replace("torch.", "")
+    if args.fit:
+        from kvinfer.config import PRESETS, EngineConfig
+
+        dummy = args.model is not None and (args.model in PRESETS or args.model.endswith(".json"))
+        ecfg = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy" if dummy else "auto",
+                            num_threads=args.threads)
+        cost, samples = sim.fit_cost_model(ecfg, progress=None if args.json else _progress, clock=args.fit_clock)
+        if not args.json:
+            _progress(f"fitted cost model: --cost-model {cost.a:.6g},{cost.b:.6g},{cost.c:.6g},{cost.d:.6g} "
+                      f"({cost.source})")
+    else:
+        cost = sim.parse_cost_model(args.cost_model).scaled_to(mc)
+        samples = None
+    if args.trace:
+        trace = sim.load_trace(args.trace)
+        trace_label = f"{args.trace} ({len(trace)} requests, seed {args.seed})"
+    else:
+        n = args.synthetic or 64
+        trace = sim.synthetic_trace(n, args.seed, mc.vocab_size)
+        trace_label = f"synthetic: {n} requests, prompt 16-512, output 16-256, all at t=0, seed {args.seed}"
+    max_len = args.max_model_len or mc.max_position_embeddings
+    cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, block_size=args.block_size, max_model_len=max_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed)
+    runs = sim.run_simulation(trace, mc, cfg, cost, compare_contiguous=not args.no_compare)
+    report = dict(model=label, dtype=args.dtype, kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,
+                  cost_model=dict(a=cost.a, b=cost.b, c=cost.c, d=cost.d, source=cost.source),
+                  results={k: sim.summarize(r) for k, r in runs.items()})
+    if samples is not None:
+        report["fit_samples"] = samples
+    if args.out:
+        import csv
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        csv_path = out / "simulate_requests.csv"
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["kv_cache", "index", "arrival", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s",
+                        "finish_s", "preemptions", "rejected"])
+            for name, r in runs.items():
+                for q in r.requests:
+                    w.writerow([name, q.index, q.arrival, q.prompt_tokens, q.output_tokens, q.ttft, q.tpot,
+                                q.finish, q.preemptions, q.rejected or ""])
+        plot = sim.write_plot(report, {k: r.timeline for k, r in runs.items()}, out / "simulate_kv_use.png")
+        report["files"] = dict(csv=str(csv_path), plot=str(plot))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(sim.format_summary(report))
+        if args.out:
+            print(f"Files: {report['files']['csv']}, {report['files']['plot']}")
+    return 0

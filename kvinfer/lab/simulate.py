@@ -1,0 +1,516 @@
+"""Scheduling simulator: the engine's Scheduler and KV managers over a request trace on a virtual clock."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from kvinfer.config import ModelConfig
+from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
+from kvinfer.kv.manager import PagedKVManager, SlotManager
+from kvinfer.request import Request
+from kvinfer.sampling_params import SamplingParams
+from kvinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvinfer.utils import format_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class SimulationError(KvinferError):
+    """The simulated engine can make no progress (e.g. a prompt larger than the token budget without chunking)."""
+
+
+# ---- the step-time cost model -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostModel:
+    """step_time = a + b*num_batched_tokens + c*num_decode_seqs + d*sum_context_tokens (seconds)."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    source: str = "given"
+    # Shapes of the model the coefficients were measured on, to scale them to other shapes (0: do not scale).
+    fitted_parameters: int = 0
+    fitted_attention_width: int = 0  # num_layers * num_heads * head_dim
+
+    @staticmethod
+    def features(out: SchedulerOutput) -> tuple[float, int, int, int]:
+        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.start > 0)
+        return 1.0, out.num_batched_tokens, decode, sum(s.end for s in out.scheduled)
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        one, n, dec, ctx = self.features(out)
+        return self.a * one + self.b * n + self.c * dec + self.d * ctx
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        return self.a, self.b, self.c, self.d
+
+    def scaled_to(self, cfg: ModelConfig) -> "CostModel":
+        """Per-token work (b) scales with parameters, attention work (d) with layers x heads x head_dim."""
+        if not self.fitted_parameters:
+            return self
+        params = cfg.num_parameters()
+        width = cfg.num_layers * cfg.num_heads * cfg.head_dim
+        if params == self.fitted_parameters and width == self.fitted_attention_width:
+            return self
+        rp, rw = params / self.fitted_parameters, width / self.fitted_attention_width
+        return replace(self, b=self.b * rp, d=self.d * rw, fitted_parameters=0, fitted_attention_width=0,
+                       source=f"{self.source}; b scaled x{rp:.2f} (parameters), d x{rw:.2f} (attention width) "
+                              f"to this model's shapes")
+
+
+# Measured with `kvinfer simulate --fit --threads 1 --fit-clock cpu` on the project's shared 2-core machine while
+# other jobs kept its load average near 7: wall-clock steps were stalled by them (2-thread OpenMP barriers waiting
+# on a descheduled thread), so these are single-thread CPU seconds per step. Re-fit on a quiet machine with --fit.
+FITTED = CostModel(
+    a=0.04822, b=0.003288, c=0.0007933, d=3.185e-05,
+    source="fitted 2026-11-29 on AMD EPYC (2 CPUs), 1 torch thread, cpu clock, built-in SmolLM2-135M-Instruct "
+           "Q4_1 as float32, 50 of 56 steps",
+    fitted_parameters=134515008, fitted_attention_width=30 * 9 * 64,
+)
+
+
+def parse_cost_model(text: str) -> CostModel:
+    """'fitted' or 'a,b,c,d' (seconds; missing trailing coefficients are 0)."""
+    if text == "fitted":
+        return FITTED
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise ValidationError("cost_model", text, "expected 'fitted' or up to four numbers a,b,c,d") from None
+    if not 1 <= len(vals) <= 4 or any(not math.isfinite(v) or v < 0 for v in vals):
+        raise ValidationError("cost_model", text, "expected 'fitted' or up to four numbers a,b,c,d, each >= 0")
+    if not any(vals):
+        raise ValidationError("cost_model", text, "at least one coefficient must be > 0 (time must advance)")
+    vals += [0.0] * (4 - len(vals))
+    return CostModel(*vals, source=f"given: {text}")
+
+
+def _nonneg_lstsq(x, y, w):
+    """Weighted least squares with every coefficient >= 0: the best feasible fit over the subsets of columns."""
+    import itertools
+
+    import numpy as np
+
+    xw, yw = x * w[:, None], y * w
+    best = None
+    k = x.shape[1]
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            coef, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(k)
+            full[list(cols)] = coef
+            err = float(((xw @ full - yw) ** 2).sum())
+            if best is None or err < best[0]:
+                best = (err, full)
+    return best[1]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = None,
+                   clock: str = "wall") -> tuple[CostModel, list[dict]]:
+    """Time real engine steps (prefills, decode batches of several sizes and contexts) and fit the cost model.
+
+    clock "wall" times what a user waits for; "cpu" counts this process's CPU time, which other processes on a
+    shared machine cannot inflate (use it with one torch thread, where CPU time is the uncontended wall time).
+    """
+    import datetime
+    import os
+    import platform
+    import time
+
+    import numpy as np
+    import torch
+
+    from kvinfer.engine.llm_engine import LLMEngine
+
+    if clock not in ("wall", "cpu"):
+        raise ValidationError("fit_clock", clock, "must be wall or cpu")
+    timer = time.perf_counter if clock == "wall" else time.process_time
+    cfg = engine_config.replace(kv_cache="paged", enable_prefix_caching=False, max_num_seqs=64,
+                                max_num_batched_tokens=max(engine_config.max_num_batched_tokens, 1024))
+    engine = LLMEngine(cfg)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+    captured: list[SchedulerOutput] = []
+    orig = engine.scheduler.schedule
+
+    def schedule():
+        out = orig()
+        captured.append(out)
+        return out
+
+    engine.scheduler.schedule = schedule
+    samples: list[dict] = []
+
+    def run(batch: int, prompt: int, out_tokens: int, record: bool = True) -> None:
+        for _ in range(batch):
+            ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(prompt)]
+            engine.add_request(None, ids, SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            captured.clear()
+            t0 = timer()
+            engine.step()
+            dt = timer() - t0
+            if record and captured and not captured[0].is_empty:
+                one, n, dec, ctx = CostModel.features(captured[0])
+                samples.append(dict(seconds=dt, num_batched_tokens=n, num_decode_seqs=dec, sum_context_tokens=ctx))
+
+    run(2, 32, 3, record=False)  # warm-up
+    plan = [(1, p, 1) for p in (16, 64, 256, 512)]
+    plan += [(b, ctx, 6) for b, ctx in ((1, 64), (1, 1024), (4, 256), (8, 128), (8, 512), (16, 128), (32, 64),
+                                         (32, 128))]
+    for b, p, o in plan:
+        if p + o > engine.max_model_len:
+            continue
+        if progress:
+            progress(f"fit: {b} request(s), prompt {p}, {o} new token(s)")
+        run(b, p, o)
+    x = np.array([[1.0, s["num_batched_tokens"], s["num_decode_seqs"], s["sum_context_tokens"]] for s in samples])
+    y = np.array([s["seconds"] for s in samples])
+    coef = _nonneg_lstsq(x, y, 1.0 / y)  # relative error: a 20 ms decode step counts as much as a 1 s prefill
+    # A step that another process stalled is not the engine's cost: drop far outliers once and refit.
+    rel = np.abs(x @ coef - y) / y
+    keep = rel <= max(3 * float(np.median(rel)), 0.05)
+    if keep.sum() >= 8 and not keep.all():
+        coef = _nonneg_lstsq(x[keep], y[keep], 1.0 / y[keep])
+    for s, k in zip(samples, keep):
+        s["outlier"] = not bool(k)
+    mc = engine.model_config
+    src = engine.loaded.source
+    name = src.path.name if src.path is not None else str(cfg.model)
+    when = datetime.date.today().isoformat()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    machine = (f"{_cpu_name() or platform.machine()}, {os.cpu_count()} CPUs, "
+               f"{torch.get_num_threads()} torch threads, "
+               f"load average {load:.1f}, {clock} clock")
+    model = CostModel(*[float(c) for c in coef],
+                      source=f"fitted {when} on {machine}, {name} {str(engine.loaded.dtype).replace('torch.', '')}, "
+                             f"{int(keep.sum())} of {len(samples)} steps",
+                      fitted_parameters=mc.num_parameters(),
+                      fitted_attention_width=mc.num_layers * mc.num_heads * mc.head_dim)
+    pred = x @ coef
+    for s, p in zip(samples, pred):
+        s["predicted"] = float(p)
+    return model, samples
+
+
+# ---- traces ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    prompt_token_ids: Optional[tuple[int, ...]] = None
+
+
+def load_trace(path: str) -> list[TraceRequest]:
+    """JSONL lines {"arrival": s, "prompt_tokens": n, "output_tokens": m}; errors name the line."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValidationError("trace", path, f"cannot be read: {e.strerror or e}") from None
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValidationError("trace", where, f"not JSON: {e.msg}") from None
+        if not isinstance(d, dict):
+            raise ValidationError("trace", where, "each line must be a JSON object")
+        for key in ("prompt_tokens", "output_tokens"):
+            v = d.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValidationError("trace", where, f"{key} must be an integer >= 1, got {v!r}")
+        a = d.get("arrival", 0.0)
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a < 0:
+            raise ValidationError("trace", where, f"arrival must be a number of seconds >= 0, got {a!r}")
+        out.append(TraceRequest(float(a), d["prompt_tokens"], d["output_tokens"]))
+    if not out:
+        raise ValidationError("trace", path, "has no requests")
+    return out
+
+
+def synthetic_trace(num_requests: int = 64, seed: int = 0, vocab_size: int = 49152) -> list[TraceRequest]:
+    """The `bench throughput` workload: prompt 16-512, output 16-256 uniform, all arriving at t=0."""
+    from kvinfer.bench.workload import throughput_workload
+
+    if num_requests < 1:
+        raise ValidationError("synthetic", num_requests, "must be >= 1")
+    work = throughput_workload(num_requests, seed, vocab_size=vocab_size)
+    return [TraceRequest(0.0, len(w.prompt_token_ids), w.output_tokens, tuple(w.prompt_token_ids)) for w in work]
+
+
+# ---- the simulation --------------------------------------------------------------------------------
+@dataclass
+class SimConfig:
+    kv_cache_memory: int
+    dtype: str = "bfloat16"
+    kv_cache: str = "paged"
+    block_size: int = 16
+    max_model_len: Optional[int] = None  # None: the model's
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RequestResult:
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    first_token: Optional[float] = None
+    finish: Optional[float] = None
+    generated: int = 0
+    preemptions: int = 0
+    rejected: Optional[str] = None
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.first_token is None or self.finish is None or self.generated < 2:
+            return None
+        return (self.finish - self.first_token) / (self.generated - 1)
+
+
+@dataclass
+class SimResult:
+    kv_cache: str
+    requests: list[RequestResult]
+    num_steps: int
+    makespan: float
+    num_preemptions: int
+    capacity: str
+    token_capacity: int
+    kv_util_mean: float  # time-weighted share of KV memory (blocks or slots) held by requests
+    kv_util_peak: float
+    token_util_mean: float  # time-weighted tokens stored / capacity of what is held
+    timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (time, kv use, running seqs)
+
+
+def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
+    bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
+    if cfg.kv_cache == "paged":
+        num_blocks = cfg.kv_cache_memory // (bpt * cfg.block_size)
+        if num_blocks < 1:
+            raise ValidationError("kv_cache_memory", cfg.kv_cache_memory,
+                                  f"too small for one block of {cfg.block_size} tokens "
+                                  f"({format_bytes(bpt * cfg.block_size)})")
+        m = PagedKVManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        return m, f"{num_blocks} blocks of {cfg.block_size} tokens"
+    if cfg.kv_cache == "contiguous":
+        # The engine's rule: as many max-length slots as the budget holds, at most max_num_seqs.
+        slots = min(cfg.kv_cache_memory // (bpt * max_len), cfg.max_num_seqs)
+        return SlotManager(slots, max_len), f"{slots} slots of {max_len} tokens"
+    raise ValidationError("kv_cache", cfg.kv_cache, "the simulator runs paged or contiguous")
+
+
+def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cost: CostModel) -> SimResult:
+    """Run the engine's Scheduler over the trace; time advances by the cost model, never by the wall clock."""
+    max_len = cfg.max_model_len or mc.max_position_embeddings
+    if cfg.dtype not in DTYPE_BYTES:
+        raise ValidationError("dtype", cfg.dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
+    manager, capacity = _build_manager(cfg, mc, max_len)
+    sched = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len,
+                                      cfg.enable_chunked_prefill), manager)
+    rng = random.Random(cfg.seed)
+    low, vocab = min(100, mc.vocab_size - 1), mc.vocab_size
+    order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
+    results = [RequestResult(i, t.arrival, t.prompt_tokens, t.output_tokens) for i, t in enumerate(trace)]
+    by_id: dict[str, RequestResult] = {}
+    now, nxt, steps = 0.0, 0, 0
+    timeline: list[tuple[float, float, int]] = []
+    busy = util_area = tok_area = 0.0
+    util_peak = 0.0
+    total = manager.num_total_blocks
+
+    while nxt < len(order) or sched.num_unfinished:
+        while nxt < len(order) and trace[order[nxt]].arrival <= now:
+            i = order[nxt]
+            t = trace[i]
+            ids = list(t.prompt_token_ids) if t.prompt_token_ids else [rng.randrange(low, vocab)
+                                                                      for _ in range(t.prompt_tokens)]
+            req = Request(str(i), ids, SamplingParams(max_tokens=t.output_tokens, temperature=0.0, ignore_eos=True),
+                          arrival_time=t.arrival)
+            try:
+                sched.add_request(req)
+                by_id[req.request_id] = results[i]
+            except RequestTooLargeError as e:
+                results[i].rejected = str(e)
+            nxt += 1
+        if not sched.num_unfinished:
+            if nxt < len(order):
+                now = max(now, trace[order[nxt]].arrival)
+            continue
+        out = sched.schedule()
+        if out.is_empty:
+            if nxt < len(order) and not sched.running:
+                now = max(now, trace[order[nxt]].arrival)
+                continue
+            raise SimulationError(
+                f"the scheduler can make no progress at t={now:.3f} s with {len(sched.waiting)} waiting and "
+                f"{len(sched.running)} running requests (is a prompt longer than max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens} with chunked prefill off?)")
+        dt = cost.step_time(out)
+        used = total - manager.num_free_blocks
+        in_step = {s.request.request_id for s in out.scheduled}
+        stored = sum(s.end for s in out.scheduled) + sum(
+            r.num_computed_tokens for r in sched.running if r.request_id not in in_step)
+        held_tokens = used * (cfg.block_size if cfg.kv_cache == "paged" else max_len)
+        util = used / total if total else 0.0
+        busy += dt
+        util_area += util * dt
+        tok_area += (stored / held_tokens if held_tokens else 0.0) * dt
+        util_peak = max(util_peak, util)
+        now += dt
+        steps += 1
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            req = s.request
+            if s.end != req.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            res = by_id[req.request_id]
+            req.output_token_ids.append(rng.randrange(low, vocab))
+            res.generated = req.num_output_tokens
+            if res.first_token is None:
+                res.first_token = now
+            if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+                res.finish = now
+                res.preemptions = req.num_preemptions
+                sched.finish(req, "length")
+        timeline.append((now, util, len(sched.running)))
+
+    done = [r for r in results if r.finish is not None]
+    start = min((r.arrival for r in results), default=0.0)
+    makespan = (max(r.finish for r in done) - start) if done else 0.0
+    return SimResult(cfg.kv_cache, results, steps, makespan, sched.num_preemptions, capacity,
+                     manager.token_capacity, util_area / busy if busy else 0.0, util_peak,
+                     tok_area / busy if busy else 0.0, timeline)
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    from kvinfer.bench.workload import percentile as nearest_rank
+
+    v = nearest_rank(values, q)
+    return None if math.isnan(v) else v
+
+
+def summarize(res: SimResult) -> dict:
+    done = [r for r in res.requests if r.finish is not None]
+    gen = sum(r.generated for r in done)
+    ttft = [r.ttft for r in done]
+    tpot = [r.tpot for r in done if r.tpot is not None]
+    pct = lambda xs: {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}  # noqa: E731
+    return dict(
+        kv_cache=res.kv_cache, capacity=res.capacity, token_capacity=res.token_capacity,
+        requests=len(res.requests), completed=len(done), generated_tokens=gen, steps=res.num_steps,
+        makespan_s=res.makespan, throughput_tok_s=gen / res.makespan if res.makespan else None,
+        ttft_s=pct(ttft), tpot_s=pct(tpot), kv_utilisation_mean=res.kv_util_mean,
+        kv_utilisation_peak=res.kv_util_peak, token_utilisation_mean=res.token_util_mean,
+        preemptions=res.num_preemptions,
+        rejected=[dict(index=r.index, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, reason=r.rejected)
+                  for r in res.requests if r.rejected],
+    )
+
+
+def run_simulation(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cost: CostModel,
+                   compare_contiguous: bool = True) -> dict[str, SimResult]:
+    """The paged run, plus the same trace under a contiguous max-length reservation of the same memory."""
+    out = dict(paged=simulate(trace, mc, replace(cfg, kv_cache="paged"), cost))
+    if compare_contiguous:
+        out["contiguous"] = simulate(trace, mc, replace(cfg, kv_cache="contiguous"), cost)
+    return out
+
+
+def format_summary(report: dict) -> str:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1000:.1f}"
+
+    cols = [k for k in ("paged", "contiguous") if k in report["results"]]
+    rs = [report["results"][k] for k in cols]
+    lines = [
+        f"Model shapes {report['model']}, KV {report['dtype']}, {format_bytes(report['kv_cache_memory'])} of KV cache, "
+        f"max_model_len {report['max_model_len']}",
+        f"Trace        {report['trace']}",
+        f"Cost model   step = {report['cost_model']['a']:.4g} + {report['cost_model']['b']:.4g}*tokens + "
+        f"{report['cost_model']['c']:.4g}*decode_seqs + {report['cost_model']['d']:.4g}*context_tokens s",
+        f"             ({report['cost_model']['source']})",
+        "",
+        f"{'':<28}" + "".join(f"{c + ' (same memory)' if c == 'contiguous' else c:>26}" for c in cols),
+    ]
+
+    def row(label, fn):
+        lines.append(f"{label:<28}" + "".join(f"{fn(r):>26}" for r in rs))
+
+    row("KV capacity", lambda r: r["capacity"])
+    row("completed / requests", lambda r: f"{r['completed']} / {r['requests']}")
+    row("throughput (gen tok/s)", lambda r: "n/a" if r["throughput_tok_s"] is None else f"{r['throughput_tok_s']:.1f}")
+    row("makespan (s)", lambda r: f"{r['makespan_s']:.2f}")
+    for q in ("p50", "p90", "p99"):
+        row(f"TTFT {q} (ms)", lambda r, q=q: ms(r["ttft_s"][q]))
+    for q in ("p50", "p90", "p99"):
+        row(f"TPOT {q} (ms)", lambda r, q=q: ms(r["tpot_s"][q]))
+    row("KV held, mean / peak",
+        lambda r: f"{r['kv_utilisation_mean'] * 100:.1f}% / {r['kv_utilisation_peak'] * 100:.1f}%")
+    row("held KV holding tokens", lambda r: f"{r['token_utilisation_mean'] * 100:.1f}%")
+    row("preemptions", lambda r: str(r["preemptions"]))
+    row("never fit (rejected)", lambda r: str(len(r["rejected"])))
+    for c, r in zip(cols, rs):
+        if r["rejected"]:
+            idx = ", ".join(str(x["index"]) for x in r["rejected"][:20])
+            more = f" and {len(r['rejected']) - 20} more" if len(r["rejected"]) > 20 else ""
+            lines.append(f"{c}: requests that never fit: {idx}{more} — {r['rejected'][0]['reason']}")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, timelines: dict[str, list], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for name, tl in timelines.items():
+        ts = [t for t, _, _ in tl]
+        ax1.step(ts, [u * 100 for _, u, _ in tl], where="post", label=name)
+        ax2.step(ts, [n for _, _, n in tl], where="post", label=name)
+    ax1.set_ylabel("KV held (%)")
+    ax2.set_ylabel("running sequences")
+    ax2.set_xlabel("virtual time (s)")
+    ax1.set_title(f"Simulated schedule: {report['trace'].split(',')[0]}", fontsize=10)
+    ax1.legend()
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
