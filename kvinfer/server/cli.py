@@ -1,0 +1,68 @@
+"""`kvinfer serve`: the OpenAI-compatible HTTP server on uvicorn (registered into the main CLI)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_MAX_QUEUE = 256  # mirrors kvinfer.engine.async_engine; kept here so `--help` does not import torch
+DEFAULT_MAX_BODY = "4MiB"
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send (default: the model file or directory name)")
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait beyond --max-num-seqs running ones; more get 429 "
+                        f"(default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY,
+                   help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 (default {DEFAULT_MAX_BODY})")
+
+
+def register(subparsers) -> None:
+    from kvinfer.cli import add_engine_args
+
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions (streaming with "
+                    "stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize and /detokenize.")
+    add_server_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from kvinfer.cli import engine_config_from_args
+    from kvinfer.errors import ValidationError
+    from kvinfer.utils import parse_size
+
+    if args.max_queue < 0:
+        raise ValidationError("max_queue", args.max_queue, "must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise ValidationError("port", args.port, "must be in [0, 65535]")
+    max_body = parse_size(args.max_body_bytes, "max_body_bytes")
+    config = engine_config_from_args(args)
+
+    import uvicorn
+
+    from kvinfer.engine.async_engine import AsyncLLMEngine
+    from kvinfer.server.app import create_app, default_model_name
+
+    engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
+    name = args.served_model_name or default_model_name(config)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
+                                             args.host)
+    print(f"kvinfer: serving {name!r} on http://{args.host}:{args.port} (OpenAI API at /v1)", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                    timeout_graceful_shutdown=10, access_log=args.log_level in ("debug", "info"))
+    finally:
+        engine.shutdown()
+    return 0

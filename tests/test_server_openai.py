@@ -1,0 +1,195 @@
+"""The official `openai` client (sync, async, streaming, strict response validation) against `kvinfer serve`."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from server_helpers import engine_config, start_server
+
+KEY = "sk-kvinfer-test"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(engine_config(), api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def lax_client(srv):
+    # The SDK types a legacy completion's finish_reason as non-null, yet streamed chunks carry null until the
+    # last one (as OpenAI's own API sends them), so strict validation rejects every streamed completion chunk.
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(srv):
+    return srv.model_name
+
+
+def test_models_list(client, model):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model]
+    assert client.models.retrieve(model).id == model
+
+
+def test_chat_greedy_knows_paris(client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24)
+    c = r.choices[0]
+    assert "Paris" in c.message.content
+    assert c.message.role == "assistant" and c.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.model == model
+
+
+def test_chat_stream_joined_equals_non_streamed(client, model):
+    full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_completion_tokens=24)
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                 max_completion_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completion_stream_joined_equals_non_streamed(client, lax_client, model):
+    prompt = "The capital of France is"
+    full = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=16)
+    assert full.object == "text_completion" and full.usage.completion_tokens >= 1
+    chunks = list(lax_client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=16,
+                                                stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    for ch in chunks:
+        assert ch.object == "text_completion" and ch.id == chunks[0].id
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_async_client_concurrent_and_streaming(client, srv, model):
+    expected = client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                              max_tokens=16).choices[0].message.content
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
+                                _strict_response_validation=True)
+        async with ac:
+            rs = await asyncio.gather(*[ac.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                                   max_tokens=16) for _ in range(4)])
+            stream = await ac.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                      max_tokens=16, stream=True)
+            parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+            return [r.choices[0].message.content for r in rs], "".join(parts)
+
+    texts, streamed = asyncio.run(run())
+    assert texts == [expected] * 4
+    assert streamed == expected
+
+
+def test_n_and_seed(client, model):
+    kw = dict(model=model, prompt="My favourite colour is", max_tokens=8, temperature=0.9, n=3, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert 3 <= a.usage.completion_tokens <= 24
+
+
+def test_multiple_prompts_index_choices(client, model):
+    prompts = ["One, two,", "Red, green,"]
+    singles = [client.completions.create(model=model, prompt=p, temperature=0, max_tokens=5).choices[0].text
+               for p in prompts]
+    r = client.completions.create(model=model, prompt=prompts, temperature=0, max_tokens=5, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [singles[0], singles[0], singles[1], singles[1]]
+
+
+def test_token_id_prompts(client, srv, model):
+    import httpx
+
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "The capital of France is"},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=6)
+    by_ids = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=6)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    two = client.completions.create(model=model, prompt=[ids, ids[:3]], temperature=0, max_tokens=3)
+    assert len(two.choices) == 2 and two.choices[0].text == by_ids.choices[0].text[:len(two.choices[0].text)]
+    assert two.usage.prompt_tokens == len(ids) + 3
+
+
+def test_completion_logprobs_and_echo(client, model):
+    r = client.completions.create(model=model, prompt="Hello, my name is", temperature=0, max_tokens=5, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(v <= 0 for v in lp.token_logprobs)
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and top[tok] == v  # greedy: the chosen token is the most likely
+        assert max(top.values()) == pytest.approx(v)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    e = client.completions.create(model=model, prompt="Hello, my name is", temperature=0, max_tokens=5, echo=True)
+    assert e.choices[0].text == "Hello, my name is" + r.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.bytes is not None
+    if r.choices[0].finish_reason == "length":  # no end-of-turn token, whose text is not in the content
+        assert bytes(b for t in content for b in t.bytes).decode("utf-8") == r.choices[0].message.content
+    streamed = list(client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=6,
+                                                   logprobs=True, top_logprobs=2, stream=True))
+    tokens = [t.token for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert tokens == [t.token for t in content]
+
+
+def test_stop_strings_and_lengths(client, model):
+    full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    words = text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    cut = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    one = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, temperature=0)
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+
+
+def test_penalties_accepted(client, model):
+    r = client.completions.create(model=model, prompt="la la la la", max_tokens=6, temperature=0,
+                                  presence_penalty=1.5, frequency_penalty=1.0, top_p=0.9)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_errors_through_the_client(client, srv, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="Hi", temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[])
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi")
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert client.models.list().data[0].id == model
