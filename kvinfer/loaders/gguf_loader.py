@@ -399,16 +399,21 @@ def _fusion_order(hf_name: str) -> tuple:
     return (int(m.group(1)), _FUSION_RANK.get(m.group(2), 9), m.group(3), hf_name)
 
 
+def _architecture(f: _File) -> str:
+    arch = f.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"GGUF architecture {arch!r} in {f.path} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
 def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
     """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names."""
     f = _File(path, with_tensors=True)
     try:
-        arch = f.metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedError(
-                f"GGUF architecture {arch!r} in {f.path} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        arch = _architecture(f)
         infos = {i.name: i for i in f.infos}
         if len(infos) != len(f.infos):
             raise ModelLoadError(f"GGUF file {f.path} names a tensor twice")
@@ -476,12 +481,7 @@ def read_metadata_config(path: Union[str, Path]) -> ModelConfig:
     """The ModelConfig of a GGUF file from its header alone (no tensor data is read)."""
     f = _File(path, with_tensors=True)
     try:
-        arch = f.metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedError(
-                f"GGUF architecture {arch!r} in {f.path} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        arch = _architecture(f)
         return model_config_from_hf(_hf_config_dict(f, arch, {i.name: i for i in f.infos}))
     finally:
         f.close()
