@@ -264,7 +264,9 @@ def _machine() -> str:
     import torch
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, load average {load:.1f} at the end"
+    threads = torch.get_num_threads()
+    return (f"{os.cpu_count()} CPUs, {threads} torch thread{'s' if threads > 1 else ''}, "
+            f"load average {load:.1f} at the end")
 
 
 # ---- reporting -------------------------------------------------------------------------------------
@@ -364,7 +366,7 @@ def write_plots(result: LabResult, out: Path) -> list[Path]:
     ax.set_ylabel("step latency, wall (ms)")
     ax_cpu.set_ylabel("step CPU time, this process (ms)")
     ax_cpu.set_xlabel("position (tokens in context)")
-    ax.set_title(f"Per-token latency by position: {result.model}, {result.machine}", fontsize=9)
+    ax.set_title(f"Per-token latency by position: {result.model}\n{result.machine}", fontsize=9)
     ax.legend()
     for a in (ax, ax_cpu):
         a.grid(alpha=0.3)

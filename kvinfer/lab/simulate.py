@@ -199,7 +199,7 @@ def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = No
     when = datetime.date.today().isoformat()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{_cpu_name() or platform.machine()}, {os.cpu_count()} CPUs, "
-               f"{torch.get_num_threads()} torch threads, "
+               f"{torch.get_num_threads()} torch thread(s), "
                f"load average {load:.1f}, {clock} clock")
     model = CostModel(*[float(c) for c in coef],
                       source=f"fitted {when} on {machine}, {name} {str(engine.loaded.dtype).replace('torch.', '')}, "
