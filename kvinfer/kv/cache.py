@@ -183,7 +183,7 @@ class PagedCache(_Backend):
             lens = torch.tensor([s.end for s in members], device=self.device)
             self._mask_group(g, q_pos, lens, b == 1)
             if not (b == 1 and members[0].start == 0):
-                g.gather_idx = self._slots(tables, torch.arange(ctx, device=self.device).expand(b, ctx).contiguous())
+                g.gather_idx = tables  # [b, blocks]: whole blocks are copied, not single slots
             slot_parts.append(self._slots(tables, q_pos).reshape(-1))
             groups.append(g)
             tok += b * q_len
@@ -202,9 +202,14 @@ class PagedCache(_Backend):
             n = g.end - g.start
             return (k[g.start:g.end].view(1, n, *k.shape[1:]).transpose(1, 2),
                     v[g.start:g.end].view(1, n, *v.shape[1:]).transpose(1, 2))
-        kf = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
-        vf = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        return kf[g.gather_idx].transpose(1, 2), vf[g.gather_idx].transpose(1, 2)  # [b, kv_heads, L, dim]
+        b, nblk = g.gather_idx.shape
+        flat = g.gather_idx.reshape(-1)
+        shape = (b, nblk * self.block_size, self.num_kv_heads, self.head_dim)
+        # index_select of whole blocks moves contiguous block_size-token chunks (faster than per-slot indexing);
+        # positions past each sequence's length are masked out.
+        keys = self.k[layer].index_select(0, flat).view(shape)[:, :g.ctx_len]
+        values = self.v[layer].index_select(0, flat).view(shape)[:, :g.ctx_len]
+        return keys.transpose(1, 2), values.transpose(1, 2)  # [b, kv_heads, L, dim]
 
     def copy_blocks(self, pairs) -> None:
         if not pairs:

@@ -25,7 +25,7 @@ class AttnGroup:
     ctx_len: int  # keys per sequence after padding
     mask: Optional[torch.Tensor] = None  # [b, 1|heads, q_len, ctx_len]: bool (True = attend) or additive float
     is_causal: bool = False  # the plain causal case: q_len == ctx_len, no padding, no window, no bias
-    gather_idx: Optional[torch.Tensor] = None  # [b, ctx_len] rows of the backend's flat source
+    gather_idx: Optional[torch.Tensor] = None  # [b, blocks]: the block tables the paged backend gathers
     slot_ids: Optional[torch.Tensor] = None  # [b] rows of a contiguous cache
 
 
