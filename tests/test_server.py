@@ -396,3 +396,44 @@ def test_a_failing_step_aborts_its_requests_and_the_server_goes_on(srv, client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
     _wait_kv_free(client)
+
+
+def test_kvinfer_serve_command_serves_and_stops():
+    import os
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvinfer.cli", "serve", "--port", str(port), "--api-key", "k",
+           "--served-model-name", "smol", "--max-model-len", "256", "--kv-cache-memory", "32MiB"]
+    if os.environ.get("KVINFER_TEST_SERVER_MODEL"):
+        cmd += ["--model", os.environ["KVINFER_TEST_SERVER_MODEL"]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvinfer serve did not come up"
+            time.sleep(0.25)
+        auth = {"Authorization": "Bearer k"}
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth).json()
+        assert models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 256
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=auth, timeout=60,
+                       json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()

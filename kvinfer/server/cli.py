@@ -63,6 +63,9 @@ def cmd_serve(args) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                     timeout_graceful_shutdown=10, access_log=args.log_level in ("debug", "info"))
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was already graceful
+        pass
     finally:
         engine.shutdown()
+    print("kvinfer: server stopped", file=sys.stderr)
     return 0
