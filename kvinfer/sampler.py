@@ -50,6 +50,7 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p, idx = probs.sort(descending=True)
         cum = sorted_p.cumsum(-1)
         drop_sorted = (cum - sorted_p) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[0] = False  # the most likely token always survives (top_p may round to 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if p.min_p > 0.0:

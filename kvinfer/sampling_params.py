@@ -83,7 +83,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below 1e-5 the scaled logits overflow float32; such temperatures are greedy in effect.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.errors import RequestTooLargeError
+from kvinfer.errors import RequestTooLargeError, ValidationError
 from tests.conftest import assert_engine_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -113,6 +113,9 @@ def test_request_too_large_is_rejected_and_others_finish(tiny_llama_dir):
         eng.add_request("long", list(range(3, 70)), SamplingParams(max_tokens=5))
     with pytest.raises(RequestTooLargeError, match="KV cache"):
         eng.add_request("big", list(range(3, 40)), SamplingParams(max_tokens=20))  # 57 tokens > 32 capacity
+    vocab = eng.model_config.vocab_size
+    with pytest.raises(ValidationError, match="stop_token_ids"):
+        eng.add_request("badstop", [5, 6], SamplingParams(max_tokens=5, stop_token_ids=[vocab]))
     outs = []
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]

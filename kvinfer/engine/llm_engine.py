@@ -138,6 +138,10 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValidationError("request_id", request_id, "is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValidationError("stop_token_ids", bad, f"token ids must be in [0, {vocab})")
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - len(ids))})
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))

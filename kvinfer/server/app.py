@@ -23,7 +23,7 @@ from kvinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
-from kvinfer.server.protocol import (MAX_SEED, MAX_STOP, ChatCompletionRequest, CompletionRequest,
+from kvinfer.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      messages_for_template)
 
