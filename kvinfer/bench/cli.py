@@ -176,9 +176,21 @@ def cmd_throughput(args) -> int:
                 kv_utilisation=util, preemptions=eng.scheduler.num_preemptions,
                 peak_rss=rss_peak, weights_bytes=weights, kv_bytes=kv_budget,
                 overhead_bytes=rss_peak - weights - kv_budget)
+    dtype = eng.loaded.dtype
+    if not args.json:  # ours first, so a long peer run never hides them
+        print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
+              f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}")
+        print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
+        print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")
+        print(f"  TPOT mean/p99        {ours['tpot_mean'] * 1000:.1f} / {ours['tpot_p99'] * 1000:.1f} ms")
+        print(f"  KV blocks peak       {ours['peak_blocks']} of {ours['total_blocks']} "
+              f"(block {cfg.block_size}), utilisation {util * 100:.1f}% (tokens stored / capacity of allocated blocks)")
+        print(f"  preemptions          {ours['preemptions']}")
+        print(f"  peak RSS             {format_bytes(rss_peak)} = weights {format_bytes(weights)} + KV budget "
+              f"{format_bytes(kv_budget)} + overhead {format_bytes(ours['overhead_bytes'])}")
+        sys.stdout.flush()
     rows = [ours]
     path = eng.loaded.source.path
-    dtype = eng.loaded.dtype
     del llm, eng
     for peer in args.compare:
         if peer == "transformers":
@@ -209,16 +221,6 @@ def cmd_throughput(args) -> int:
     if args.json:
         print(json.dumps(dict(threads=_threads(), requests=len(work), rows=rows), indent=2, default=str))
         return 0
-    print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
-          f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}")
-    print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
-    print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")
-    print(f"  TPOT mean/p99        {ours['tpot_mean'] * 1000:.1f} / {ours['tpot_p99'] * 1000:.1f} ms")
-    print(f"  KV blocks peak       {ours['peak_blocks']} of {ours['total_blocks']} "
-          f"(block {cfg.block_size}), utilisation {util * 100:.1f}% (tokens stored / capacity of allocated blocks)")
-    print(f"  preemptions          {ours['preemptions']}")
-    print(f"  peak RSS             {format_bytes(rss_peak)} = weights {format_bytes(weights)} + KV budget "
-          f"{format_bytes(kv_budget)} + overhead {format_bytes(ours['overhead_bytes'])}")
     print(f"{'engine':<36}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}")
     for r in rows:
         print(f"{r['name']:<36}{r['tps']:>10.1f}{r['seconds']:>9.1f}{r['kvinfer_vs_this']:>16.2f}x")

@@ -17,6 +17,12 @@ def load_transformers(model_path: Path, dtype: torch.dtype):
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:  # its per-tensor progress bars would bury the benchmark's table
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     if model_path.is_file():
         m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     else:

@@ -1,4 +1,5 @@
-"""Quantised matmul kernels (GGML Q4_0/Q4_1/Q8_0 weights, float32 activations), compiled with gcc on first use."""
+"""CPU kernels compiled with gcc on first use: quantised matmul (GGML Q4_0/Q4_1/Q8_0 weights, float32
+activations) and decode attention read in place from the paged KV cache."""
 from __future__ import annotations
 
 # The library is cached in $KVINFER_CACHE/kernels/<hash>/ ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or
@@ -11,6 +12,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -22,9 +24,11 @@ from typing import Optional
 # rather than two pools competing for the cores.
 import torch
 
-__all__ = ["QTYPES", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "library_path", "build", "load"]
+__all__ = ["QTYPES", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "paged_decode_attention",
+           "library_path", "build", "load"]
 
 SOURCE = Path(__file__).with_name("qgemv.c")
+SOURCES = [SOURCE, Path(__file__).with_name("paged_attn.c")]  # compiled into one library
 _LIBNAME = "libkvqgemv.so"
 # Module attributes rather than constants so tests (and odd systems) can point them elsewhere.
 CC = os.environ.get("CC") or "gcc"
@@ -54,7 +58,7 @@ def _cache_root() -> Path:
 
 
 def _digest(cc: str, flags: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
     h.update("\0".join([cc, *flags, platform.machine()]).encode())
     return h.hexdigest()[:16]
 
@@ -115,7 +119,7 @@ def build(cc: Optional[str] = None, flags: Optional[list[str]] = None, cache_dir
     os.close(fd)
     try:
         try:
-            proc = subprocess.run([exe, *argv[1:], *flags, "-o", tmp, str(SOURCE)], capture_output=True,
+            proc = subprocess.run([exe, *argv[1:], *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                                   text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise RuntimeError(f"{cc} could not run: {e}") from e
@@ -139,6 +143,8 @@ def _declare(lib: ctypes.CDLL):
     # x, M, K, ldx, w, N, ldw, qtype, y, ldy, nthreads, impl
     lib.kvq_matmul.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, c_int, c_int]
     lib.kvq_matmul.restype = c_int
+    lib.kvq_paged_decode_packed.argtypes = [ctypes.c_void_p]
+    lib.kvq_paged_decode_packed.restype = ctypes.c_int
     for name in ("kvq_built_with_avx2", "kvq_cpu_has_avx2", "kvq_max_threads"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = c_int
@@ -296,4 +302,57 @@ def qgemv(x: torch.Tensor, w_raw: torch.Tensor, qtype: str, out: Optional[torch.
     rc = _fn(addr)
     if rc:
         raise RuntimeError(f"kvq_matmul failed: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+_PA_ERRORS = {-2: "bad shape or sequence length", -4: "out of memory", -6: "block id outside the pool"}
+_PA_ARGS = ctypes.c_int64 * 17
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                           lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
+                           alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                           num_threads: Optional[int] = None) -> torch.Tensor:
+    """One query token per sequence attending to its whole paged cache, read in place (no gather).
+
+    q float32 [B, H, D]; k_pool / v_pool float32 [num_blocks, block_size, kv_heads, D]; tables int64 [B, T]
+    block ids; lens int64 [B] cached tokens per sequence (this step's included, >= 1); alibi_slopes float32
+    [H] or None; sliding_window: attend only to the last that many positions. Returns float32 [B, H, D].
+    All tensors must be contiguous CPU tensors; raises ValueError on bad input, RuntimeError when the kernels
+    are unavailable.
+    """
+    if _fn is None:
+        _init()
+        if _fn is None:
+            raise RuntimeError(_reason)
+    B, H, D = q.shape
+    NB, BS, KVH, D2 = k_pool.shape
+    for name, t, dt in (("q", q, torch.float32), ("k_pool", k_pool, torch.float32), ("v_pool", v_pool, torch.float32),
+                        ("tables", tables, torch.int64), ("lens", lens, torch.int64)):
+        if t.dtype != dt or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous {dt} CPU tensor, got {t.dtype} {tuple(t.shape)}")
+    if v_pool.shape != k_pool.shape or D2 != D or H % KVH or tables.dim() != 2 or tables.shape[0] != B \
+            or tuple(lens.shape) != (B,):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, pools {tuple(k_pool.shape)}, "
+                         f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
+    slopes = 0
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
+        if tuple(alibi_slopes.shape) != (H,):
+            raise ValueError(f"alibi_slopes must have shape ({H},)")
+        slopes = alibi_slopes.data_ptr()
+    args = _PA_ARGS(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                    out.data_ptr(), slopes, B, H, KVH, D, BS, tables.shape[1], NB, sliding_window or 0,
+                    _f32_bits(scale), torch.get_num_threads() if num_threads is None else num_threads)
+    rc = _lib.kvq_paged_decode_packed(ctypes.addressof(args))
+    if rc:
+        raise RuntimeError(f"paged decode attention failed: {_PA_ERRORS.get(rc, rc)}")
     return out

@@ -143,9 +143,15 @@ class ContiguousCache(_Backend):
 
 
 class PagedCache(_Backend):
-    """Block pools per layer: K and V of [num_blocks, block_size, kv_heads, head_dim]."""
+    """Block pools per layer: K and V of [num_blocks, block_size, kv_heads, head_dim].
+
+    Single-token decodes attend through kvinfer.kernels.paged_decode_attention, which reads each sequence's
+    blocks in place, when the pools are float32 on CPU and the kernels are available; otherwise, and for
+    prefills that follow cached tokens, whole blocks are gathered and attended with SDPA.
+    """
 
     name = "paged"
+    use_decode_kernel = True  # tests switch it off to compare with the gather path
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         super().__init__(num_layers, device)
@@ -156,10 +162,21 @@ class PagedCache(_Backend):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self._kernel_ok: Optional[bool] = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def _decode_kernel(self) -> bool:
+        if not self.use_decode_kernel:
+            return False
+        if self._kernel_ok is None:
+            from kvinfer import kernels
+
+            self._kernel_ok = (self.device.type == "cpu" and self.k[0].dtype == torch.float32
+                               and kernels.available())
+        return self._kernel_ok
 
     def _slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # table [b, blocks], pos [b, n] -> flat slot of each position [b, n]
@@ -181,8 +198,11 @@ class PagedCache(_Backend):
             g = AttnGroup(tok, tok + b * q_len, b, q_len, ctx)
             q_pos = torch.tensor([list(range(s.start, s.end)) for s in members], device=self.device)
             lens = torch.tensor([s.end for s in members], device=self.device)
-            self._mask_group(g, q_pos, lens, b == 1)
-            if not (b == 1 and members[0].start == 0):
+            if q_len == 1 and members[0].start > 0 and self._decode_kernel():
+                g.decode_tables, g.decode_lens = tables, lens  # read in place: no mask, no gather
+            else:
+                self._mask_group(g, q_pos, lens, b == 1)
+            if g.decode_tables is None and not (b == 1 and members[0].start == 0):
                 g.gather_idx = tables  # [b, blocks]: whole blocks are copied, not single slots
             slot_parts.append(self._slots(tables, q_pos).reshape(-1))
             groups.append(g)
@@ -195,6 +215,14 @@ class PagedCache(_Backend):
         vf = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k)
         vf.index_copy_(0, md.slot_mapping, v)
+
+    def decode_attend(self, layer: int, g: AttnGroup, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [b, heads, dim] of a decode group -> [b, heads, dim], read from the block pools in place."""
+        from kvinfer import kernels
+
+        return kernels.paged_decode_attention(q.contiguous(), self.k[layer], self.v[layer], g.decode_tables,
+                                              g.decode_lens, scale, alibi_slopes=self.alibi,
+                                              sliding_window=self.sliding_window)
 
     def gather(self, layer, g: AttnGroup, k, v):
         if g.gather_idx is None:

@@ -27,6 +27,8 @@ class AttnGroup:
     is_causal: bool = False  # the plain causal case: q_len == ctx_len, no padding, no window, no bias
     gather_idx: Optional[torch.Tensor] = None  # [b, blocks]: the block tables the paged backend gathers
     slot_ids: Optional[torch.Tensor] = None  # [b] rows of a contiguous cache
+    decode_tables: Optional[torch.Tensor] = None  # [b, blocks] int64: paged decode read in place by a kernel
+    decode_lens: Optional[torch.Tensor] = None  # [b] int64 cached tokens per sequence (this step's included)
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Attention(nn.Module):
         return self.o(out)
 
     def _attend(self, g: AttnGroup, q, k, v, kv) -> torch.Tensor:
+        if g.decode_tables is not None:
+            return kv.decode_attend(self.layer_idx, g, q[g.start:g.end], self.scale).view(g.num_seqs, self.q_size)
         keys, values = kv.gather(self.layer_idx, g, k, v)  # [b, kv_heads, L, dim]
         qg = q[g.start:g.end].view(g.num_seqs, g.q_len, self.num_heads, self.head_dim).transpose(1, 2)
         mask = g.mask
