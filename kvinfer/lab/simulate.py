@@ -64,13 +64,14 @@ class CostModel:
                               f"to this model's shapes")
 
 
-# Measured with `kvinfer simulate --fit --threads 1 --fit-clock cpu` on the project's shared 2-core machine while
-# other jobs kept its load average near 7: wall-clock steps were stalled by them (2-thread OpenMP barriers waiting
-# on a descheduled thread), so these are single-thread CPU seconds per step. Re-fit on a quiet machine with --fit.
+# Measured with `kvinfer simulate --fit --threads 2` on the project's 2-core machine while it was quiet (load
+# average 1.4), after decode attention moved to the paged kernel. Checked against `kvinfer bench throughput` on
+# the same machine the same day: predicted 102.9 generated tok/s (83.0 s), measured 98.1 (87.1 s), 4.9% apart.
+# Re-fit on another machine with --fit (use --threads 1 --fit-clock cpu if it is shared and busy).
 FITTED = CostModel(
-    a=0.04822, b=0.003288, c=0.0007933, d=3.185e-05,
-    source="fitted 2026-11-29 on AMD EPYC (2 CPUs), 1 torch thread, cpu clock, built-in SmolLM2-135M-Instruct "
-           "Q4_1 as float32, 50 of 56 steps",
+    a=0.0186734, b=0.00211139, c=0.000485314, d=5.54228e-06,
+    source="fitted 2026-11-29 on AMD EPYC (2 CPUs), 2 torch threads, wall clock, quiet, built-in "
+           "SmolLM2-135M-Instruct Q4_1 as float32, 45 of 56 steps",
     fitted_parameters=134515008, fitted_attention_width=30 * 9 * 64,
 )
 
