@@ -23,10 +23,20 @@ def load_transformers(model_path: Path, dtype: torch.dtype):
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    if model_path.is_file():
-        m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    import os
+
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # its GGUF conversion draws a tqdm bar of its own
+    try:
+        if model_path.is_file():
+            m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
+        else:
+            m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
     return m.eval()
 
 

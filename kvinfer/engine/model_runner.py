@@ -8,11 +8,26 @@ from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
 class ModelRunner:
+    use_fused_decode = True  # decode-only steps through FusedDecode where the model allows (tests compare both)
+
     def __init__(self, model, backend, manager, device):
         self.model = model
         self.backend = backend
         self.manager = manager
         self.device = device
+        self._fused = None  # FusedDecode, built on the first decode-only step
+        self._fused_checked = False
+
+    def _fused_decode(self):
+        if not self.use_fused_decode:
+            return None
+        if not self._fused_checked:
+            self._fused_checked = True
+            from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
+
+            if unsupported_reason(self.model, self.backend) is None:
+                self._fused = FusedDecode(self.model, self.backend)
+        return self._fused
 
     def _order(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         # Single-token decodes first: the backends batch them into one attention call.
@@ -47,7 +62,13 @@ class ModelRunner:
         md = self.backend.prepare(slices)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, md, self.backend)
+        fused = None
+        if len(md.groups) == 1 and md.groups[0].decode_tables is not None:  # every sequence decodes one token
+            fused = self._fused_decode()
+        if fused is not None:
+            hidden = fused(input_ids, positions, md)
+        else:
+            hidden = self.model(input_ids, positions, md, self.backend)
         if not sample_rows:
             return None, []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

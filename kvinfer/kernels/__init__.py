@@ -24,11 +24,12 @@ from typing import Optional
 # rather than two pools competing for the cores.
 import torch
 
-__all__ = ["QTYPES", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "paged_decode_attention",
+__all__ = ["QTYPES", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "paged_decode_attention", "decode_step",
            "library_path", "build", "load"]
 
 SOURCE = Path(__file__).with_name("qgemv.c")
-SOURCES = [SOURCE, Path(__file__).with_name("paged_attn.c")]  # compiled into one library
+SOURCES = [SOURCE, Path(__file__).with_name("paged_attn.c"), Path(__file__).with_name("decode_step.c")]  # one library
+HEADERS = [Path(__file__).with_name("kernels.h")]
 _LIBNAME = "libkvqgemv.so"
 # Module attributes rather than constants so tests (and odd systems) can point them elsewhere.
 CC = os.environ.get("CC") or "gcc"
@@ -58,7 +59,7 @@ def _cache_root() -> Path:
 
 
 def _digest(cc: str, flags: list[str]) -> str:
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     h.update("\0".join([cc, *flags, platform.machine()]).encode())
     return h.hexdigest()[:16]
 
@@ -143,8 +144,9 @@ def _declare(lib: ctypes.CDLL):
     # x, M, K, ldx, w, N, ldw, qtype, y, ldy, nthreads, impl
     lib.kvq_matmul.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, c_int, c_int]
     lib.kvq_matmul.restype = c_int
-    lib.kvq_paged_decode_packed.argtypes = [ctypes.c_void_p]
-    lib.kvq_paged_decode_packed.restype = ctypes.c_int
+    for name in ("kvq_paged_decode_packed", "kvq_decode_step_packed"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_int
     for name in ("kvq_built_with_avx2", "kvq_cpu_has_avx2", "kvq_max_threads"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = c_int
@@ -306,6 +308,7 @@ def qgemv(x: torch.Tensor, w_raw: torch.Tensor, qtype: str, out: Optional[torch.
 
 
 _PA_ERRORS = {-2: "bad shape or sequence length", -4: "out of memory", -6: "block id outside the pool"}
+_DS_ERRORS = {**_ERRORS, -6: "block id or slot outside the pool", -2: "bad shape or sequence length"}
 _PA_ARGS = ctypes.c_int64 * 17
 
 
@@ -356,3 +359,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if rc:
         raise RuntimeError(f"paged decode attention failed: {_PA_ERRORS.get(rc, rc)}")
     return out
+
+
+DECODE_LAYER_FIELDS = 16  # int64 columns of decode_step's layer table (see decode_step.c)
+
+
+def decode_step(args: "ctypes.Array") -> None:
+    """Run kvq_decode_step_packed on a prepared int64 argument block (kvinfer.models.fused_decode builds it)."""
+    rc = _lib.kvq_decode_step_packed(ctypes.addressof(args))
+    if rc:
+        raise RuntimeError(f"fused decode step failed: {_DS_ERRORS.get(rc, rc)}")

@@ -14,6 +14,8 @@
  * all the query heads that share it. Scores are exact float32
  * softmax (max subtracted), so results match scaled_dot_product_attention up to summation order.
  */
+#include "kernels.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,7 +32,7 @@
 #define PA_AVX2 0
 #endif
 
-enum { PA_OK = 0, PA_EBADSHAPE = -2, PA_ENOMEM = -4, PA_EBADBLOCK = -6 };
+enum { PA_OK = 0, PA_EBADSHAPE = -2, PA_ENOMEM = -4 };
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     int64_t i = 0;
@@ -52,6 +54,64 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+#if PA_AVX2
+/* exp of 8 floats: Cephes' expf polynomial after range reduction by ln 2 (about 2 ulp); inputs are clamped to
+ * [-87, 88], so exp of a very negative score is ~1e-38 rather than 0, which no softmax sum can notice. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* s[i] = exp(s[i] - mx) for i < n; returns the sum. */
+float kvq_exp_shift_sum(float *s, int64_t n, float mx) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if PA_AVX2
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, acc);
+    for (int k = 0; k < 8; k++) sum += tmp[k];
+#endif
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - mx);
+        sum += s[i];
+    }
+    return sum;
+}
+
+/* y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u for i < n. */
+void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+#if PA_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, x));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* acc[0:d] += p * v[0:d] */
 static inline void axpy(float *acc, float p, const float *v, int64_t d) {
     int64_t i = 0;
@@ -63,32 +123,84 @@ static inline void axpy(float *acc, float p, const float *v, int64_t d) {
     for (; i < d; i++) acc[i] += p * v[i];
 }
 
-struct pa_job {
-    const float *q, *kpool, *vpool, *slopes;
-    const int64_t *tables, *lens;
-    float *out;
-    int64_t B, H, KVH, D, BS, T, NB, window;
-    float scale;
-};
+#if PA_AVX2
+/* acc[0:64] += sum over t in [t0, t1) of p[t] * v[t * row : t * row + 64] */
+static inline void acc_block64(float *acc, const float *p, const float *v, int64_t row, int64_t t0, int64_t t1) {
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16),
+           a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40),
+           a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *r = v + t * row;
+        __m256 pp = _mm256_set1_ps(p[t]);
+        a0 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r), a0);
+        a1 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 8), a1);
+        a2 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 16), a2);
+        a3 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 24), a3);
+        a4 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 32), a4);
+        a5 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 40), a5);
+        a6 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 48), a6);
+        a7 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
+    _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+}
 
-/* Sequence b, kv heads h0..h1-1 (and their query heads); scores is scratch of at least H * len floats.
- * Tokens are the outer loop: a block's rows ([KVH, D] per token) are read front to back exactly once. */
-static int pa_item(const struct pa_job *j, int64_t b, int64_t h0, int64_t h1, float *scores) {
-    const int64_t G = j->H / j->KVH, D = j->D, BS = j->BS, KVH = j->KVH;
+/* s[t] = scale * dot(q, k[t * row : t * row + 64]) for t in [t0, t1): q held in registers, 4 keys at a time
+ * reduced together. */
+static inline void scores_block64(float *s, const float *q, const float *k, int64_t row, int64_t t0, int64_t t1,
+                                  float scale) {
+    __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8), q2 = _mm256_loadu_ps(q + 16),
+           q3 = _mm256_loadu_ps(q + 24), q4 = _mm256_loadu_ps(q + 32), q5 = _mm256_loadu_ps(q + 40),
+           q6 = _mm256_loadu_ps(q + 48), q7 = _mm256_loadu_ps(q + 56);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *r = k + t * row;
+        __m256 x = _mm256_mul_ps(q0, _mm256_loadu_ps(r));
+        __m256 y = _mm256_mul_ps(q1, _mm256_loadu_ps(r + 8));
+        x = _mm256_fmadd_ps(q2, _mm256_loadu_ps(r + 16), x);
+        y = _mm256_fmadd_ps(q3, _mm256_loadu_ps(r + 24), y);
+        x = _mm256_fmadd_ps(q4, _mm256_loadu_ps(r + 32), x);
+        y = _mm256_fmadd_ps(q5, _mm256_loadu_ps(r + 40), y);
+        x = _mm256_fmadd_ps(q6, _mm256_loadu_ps(r + 48), x);
+        y = _mm256_fmadd_ps(q7, _mm256_loadu_ps(r + 56), y);
+        x = _mm256_add_ps(x, y);
+        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+        lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+        s[t] = _mm_cvtss_f32(lo) * scale;
+    }
+}
+#endif
+
+/* Sequence b, query heads q0..q1-1; scores is scratch of at least H * len floats. Tokens are the outer loop,
+ * so a block's rows ([KVH, D] per token) are read front to back once for all the heads of the item. */
+static int pa_item(const struct pa_job *j, int64_t b, int64_t q0, int64_t q1, float *scores) {
+    const int64_t G = j->H / j->KVH, D = j->D, BS = j->BS;
     const int64_t len = j->lens[b];
     const int64_t first = (j->window > 0 && len > j->window) ? len - j->window : 0;
     const int64_t n = len - first;
     const int64_t *table = j->tables + b * j->T;
-    const int64_t q0 = h0 * G, q1 = h1 * G; /* query heads of this item */
-    const float *q = j->q + b * j->H * D;
-    float *out = j->out + b * j->H * D;
-    const int64_t row = KVH * D; /* floats per token in a block */
+    const float *q = j->q + b * j->q_stride;
+    float *out = j->out + b * j->out_stride;
+    const int64_t row = j->KVH * D; /* floats per token in a block */
 
-    for (int64_t t = first; t < len; t++) {
-        int64_t blk = table[t / BS];
-        if (blk < 0 || blk >= j->NB) return PA_EBADBLOCK;
-        const float *k = j->kpool + (blk * BS + t % BS) * row;
-        for (int64_t h = q0; h < q1; h++) scores[h * n + (t - first)] = dot(q + h * D, k + (h / G) * D, D) * j->scale;
+    /* Block by block (no division per token). */
+    for (int64_t bi = first / BS; bi * BS < len; bi++) {
+        const int64_t blk = table[bi];
+        if (blk < 0 || blk >= j->NB) return KVQ_EBADBLOCK;
+        const int64_t t0 = bi * BS > first ? bi * BS : first, t1 = (bi + 1) * BS < len ? (bi + 1) * BS : len;
+        const float *k = j->kpool + (blk * BS - bi * BS) * row;
+        for (int64_t h = q0; h < q1; h++) {
+            float *s = scores + h * n - first;
+            const float *kh = k + (h / G) * D;
+#if PA_AVX2
+            if (D == 64) {
+                scores_block64(s, q + h * D, kh, row, t0, t1, j->scale);
+                continue;
+            }
+#endif
+            for (int64_t t = t0; t < t1; t++) s[t] = dot(q + h * D, kh + t * row, D) * j->scale;
+        }
     }
     for (int64_t h = q0; h < q1; h++) {
         float *s = scores + h * n;
@@ -98,24 +210,66 @@ static int pa_item(const struct pa_job *j, int64_t b, int64_t h0, int64_t h1, fl
         }
         float mx = -INFINITY;
         for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            s[i] = expf(s[i] - mx);
-            sum += s[i];
-        }
-        float inv = 1.0f / sum;
+        float inv = 1.0f / kvq_exp_shift_sum(s, n, mx);
         for (int64_t i = 0; i < n; i++) s[i] *= inv;
         memset(out + h * D, 0, sizeof(float) * (size_t)D);
     }
-    for (int64_t t = first; t < len; t++) {
-        const float *v = j->vpool + (table[t / BS] * BS + t % BS) * row;
-        for (int64_t h = q0; h < q1; h++) axpy(out + h * D, scores[h * n + (t - first)], v + (h / G) * D, D);
+    for (int64_t bi = first / BS; bi * BS < len; bi++) {
+        const int64_t t0 = bi * BS > first ? bi * BS : first, t1 = (bi + 1) * BS < len ? (bi + 1) * BS : len;
+        const float *v = j->vpool + (table[bi] * BS - bi * BS) * row;
+        for (int64_t h = q0; h < q1; h++) {
+            const float *p = scores + h * n - first, *vh = v + (h / G) * D;
+#if PA_AVX2
+            if (D == 64) { /* the common head size: the accumulator stays in registers across the block */
+                acc_block64(out + h * D, p, vh, row, t0, t1);
+                continue;
+            }
+#endif
+            for (int64_t t = t0; t < t1; t++) axpy(out + h * D, p[t], vh + t * row, D);
+        }
     }
     return PA_OK;
 }
 
+int kvq_paged_decode_run(const struct pa_job *jp, int nthreads) {
+    const struct pa_job j = *jp;
+    if (j.B < 0 || j.H <= 0 || j.KVH <= 0 || j.H % j.KVH || j.D <= 0 || j.BS <= 0 || j.T < 0 || j.NB <= 0 ||
+        j.q_stride < j.H * j.D || j.out_stride < j.H * j.D)
+        return PA_EBADSHAPE;
+    int64_t maxlen = 0;
+    for (int64_t b = 0; b < j.B; b++) {
+        if (j.lens[b] <= 0 || j.lens[b] > j.T * j.BS) return PA_EBADSHAPE;
+        if (j.lens[b] > maxlen) maxlen = j.lens[b];
+    }
+    if (j.B == 0) return PA_OK;
+    int nt = nthreads > 0 ? nthreads : 1;
+    /* Whole sequences per item when there are enough of them to keep the threads busy; otherwise one query
+     * head per item, so that a single sequence still uses every thread evenly. */
+    const int64_t per = j.B >= 2 * (int64_t)nt ? j.H : 1;
+    const int64_t groups = j.H / per, items = j.B * groups;
+    if (nt > items) nt = (int)items;
+    int status = PA_OK;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(j.H * maxlen));
+        /* Sequence lengths vary a lot: hand out items one at a time. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t b = it / groups, q0 = it % groups * per;
+            int rc = scores ? pa_item(&j, b, q0, q0 + per, scores) : PA_ENOMEM;
+            if (rc) {
+#pragma omp atomic write
+                status = rc;
+            }
+        }
+        free(scores);
+    }
+    return status;
+}
+
 /* Arguments packed in one int64 array (one ctypes conversion per call):
- * q, kpool, vpool, tables, lens, out, slopes, B, H, KVH, D, BS, T, NB, window, scale (float32 bits), nthreads */
+ * q, kpool, vpool, tables, lens, out, slopes, B, H, KVH, D, BS, T, NB, window, scale (float32 bits), nthreads;
+ * q and out are contiguous [B, H, D]. */
 int kvq_paged_decode_packed(const int64_t *a) {
     struct pa_job j;
     j.q = (const float *)(intptr_t)a[0];
@@ -126,38 +280,8 @@ int kvq_paged_decode_packed(const int64_t *a) {
     j.out = (float *)(intptr_t)a[5];
     j.slopes = (const float *)(intptr_t)a[6];
     j.B = a[7], j.H = a[8], j.KVH = a[9], j.D = a[10], j.BS = a[11], j.T = a[12], j.NB = a[13], j.window = a[14];
+    j.q_stride = j.out_stride = j.H * j.D;
     int32_t bits = (int32_t)a[15];
     memcpy(&j.scale, &bits, sizeof(float));
-    int nthreads = (int)a[16];
-    if (j.B < 0 || j.H <= 0 || j.KVH <= 0 || j.H % j.KVH || j.D <= 0 || j.BS <= 0 || j.T < 0 || j.NB <= 0)
-        return PA_EBADSHAPE;
-    int64_t maxlen = 0;
-    for (int64_t b = 0; b < j.B; b++) {
-        if (j.lens[b] <= 0 || j.lens[b] > j.T * j.BS) return PA_EBADSHAPE;
-        if (j.lens[b] > maxlen) maxlen = j.lens[b];
-    }
-    if (j.B == 0) return PA_OK;
-    int nt = nthreads > 0 ? nthreads : 1;
-    /* Whole sequences per item when there are enough of them to keep the threads busy; otherwise one kv head
-     * per item, so that a single sequence still uses every thread. */
-    const int64_t per = j.B >= 2 * (int64_t)nt ? j.KVH : 1;
-    const int64_t groups = j.KVH / per, items = j.B * groups;
-    if (nt > items) nt = (int)items;
-    int status = PA_OK;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(j.H * maxlen));
-        /* Longest sequences vary a lot: hand out items one at a time. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t b = it / groups, h0 = it % groups * per;
-            int rc = scores ? pa_item(&j, b, h0, h0 + per, scores) : PA_ENOMEM;
-            if (rc) {
-#pragma omp atomic write
-                status = rc;
-            }
-        }
-        free(scores);
-    }
-    return status;
+    return kvq_paged_decode_run(&j, (int)a[16]);
 }

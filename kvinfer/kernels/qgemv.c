@@ -15,6 +15,8 @@
  * at one row when the weights are in cache, no faster at 4+ rows, and it adds x's rounding error (about 1%
  * of max|y|), so it is not the default; it stays for comparison.
  */
+#include "kernels.h"
+
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>

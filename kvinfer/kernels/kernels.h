@@ -1,0 +1,26 @@
+/* Shared declarations of the kvinfer C kernels (qgemv.c, paged_attn.c, decode_step.c). */
+#ifndef KVINFER_KERNELS_H
+#define KVINFER_KERNELS_H
+#include <stdint.h>
+
+/* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k]; see qgemv.c. */
+int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
+               float *y, int64_t ldy, int nthreads, int impl);
+
+/* One step of decode attention over the paged cache; see paged_attn.c. */
+struct pa_job {
+    const float *q;      /* [B, q_stride]: each row starts with H * D query values */
+    const float *kpool, *vpool, *slopes;
+    const int64_t *tables, *lens;
+    float *out;          /* [B, out_stride]: H * D values per row */
+    int64_t B, H, KVH, D, BS, T, NB, window, q_stride, out_stride;
+    float scale;
+};
+int kvq_paged_decode_run(const struct pa_job *j, int nthreads);
+
+enum { KVQ_EBADBLOCK = -6 };
+
+/* s[i] = exp(s[i] - mx), returning the sum; y = silu(g) * u (both vectorised; see paged_attn.c). */
+float kvq_exp_shift_sum(float *s, int64_t n, float mx);
+void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n);
+#endif

@@ -1,0 +1,98 @@
+"""Decode steps of Llama-style GGUF models through one C call for all layers (kvinfer.kernels.decode_step).
+
+The eager path costs about 20 small torch ops and module calls per layer per step; for a 30-layer model with
+single-token steps that dispatch overhead rivals the arithmetic. FusedDecode runs the same computation
+(RMSNorm, fused QKV, rotate-half RoPE, K/V written to the paged pools, paged attention, SwiGLU, residuals) in C
+with the same quantised-matmul and attention kernels. It applies only where every piece matches exactly; any
+other model, dtype, device or backend keeps the eager path.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Optional
+
+import torch
+
+from kvinfer import kernels
+from kvinfer.layers.norm import RMSNorm
+from kvinfer.layers.quant_linear import QuantLinear
+
+_ARGS = ctypes.c_int64 * 22
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def unsupported_reason(model, backend) -> Optional[str]:
+    """None when FusedDecode can run this model's decode steps on this backend, else why not."""
+    cfg = model.cfg
+    if backend.name != "paged":
+        return f"the {backend.name} backend (paged only)"
+    if backend.device.type != "cpu" or backend.k[0].dtype != torch.float32:
+        return "KV cache not float32 on CPU"
+    if not kernels.available():
+        return kernels.unavailable_reason()
+    if cfg.position != "rope" or cfg.norm != "rms" or cfg.mlp != "swiglu":
+        return f"position {cfg.position}, norm {cfg.norm}, mlp {cfg.mlp} (needs rope, rms, swiglu)"
+    if model.pos_embed is not None or model.embed_norm is not None or cfg.qk_norm:
+        return "extra embedding or q/k norms"
+    if cfg.head_dim % 2:
+        return "odd head_dim"
+    for layer in model.layers:
+        lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        for lin in lins:
+            if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
+                return "a projection that is not a bias-free Q4_0/Q4_1/Q8_0 QuantLinear"
+            if not lin.raw.is_contiguous():
+                return "non-contiguous quantised weights"
+        for norm in (layer.input_norm, layer.post_attn_norm):
+            if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.eps != cfg.norm_eps:
+                return "norms that are not float32 RMSNorm with the model's eps"
+    return None
+
+
+class FusedDecode:
+    """Holds the layer table (pointers into the model's weights and the cache's pools) for kernels.decode_step."""
+
+    def __init__(self, model, backend):
+        reason = unsupported_reason(model, backend)
+        if reason is not None:
+            raise ValueError(f"fused decode unsupported: {reason}")
+        cfg = model.cfg
+        self.model, self.backend, self.cfg = model, backend, cfg
+        rows = []
+        for i, layer in enumerate(model.layers):
+            row = [layer.input_norm.weight.data_ptr()]
+            for lin in (layer.attn.qkv, layer.attn.o):
+                row += [lin.raw.data_ptr(), lin.raw.stride(0), kernels.QTYPES[lin.qtype]]
+            row.append(layer.post_attn_norm.weight.data_ptr())
+            for lin in (layer.mlp.gate_up, layer.mlp.down):
+                row += [lin.raw.data_ptr(), lin.raw.stride(0), kernels.QTYPES[lin.qtype]]
+            row += [backend.k[i].data_ptr(), backend.v[i].data_ptr()]
+            rows.append(row)
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [layers, DECODE_LAYER_FIELDS]
+        assert self.table.shape[1] == kernels.DECODE_LAYER_FIELDS
+        self.scale = cfg.head_dim ** -0.5
+        self._keep = (self.table,)  # the table's memory must outlive every call
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
+        """Hidden states [B, hidden] after the final norm, for a step of B single-token decodes."""
+        cfg, model, kv = self.cfg, self.model, self.backend
+        (g,) = md.groups
+        x = model.embed(input_ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
+        rot = model.rotary
+        cos = rot.cos[positions].contiguous()  # [B, head_dim / 2]
+        sin = rot.sin[positions].contiguous()
+        slots = md.slot_mapping.contiguous()
+        tables, lens = g.decode_tables.contiguous(), g.decode_lens.contiguous()
+        slopes = 0
+        args = _ARGS(x.data_ptr(), x.shape[0], cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size, cfg.num_layers, self.table.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], kv.block_size,
+                     kv.num_blocks, _bits(cfg.norm_eps), _bits(self.scale), torch.get_num_threads(),
+                     kv.sliding_window or 0, slopes)
+        kernels.decode_step(args)
+        kv.kv_computed += x.shape[0] * cfg.num_layers
+        return model.norm(x)
