@@ -32,13 +32,16 @@ def test_bench_throughput_prints_ours_before_the_peers(tiny_llama_dir, capsys):
 
 
 def test_bench_decode_table(tiny_llama_dir, capsys):
-    rc = main(["bench", "decode", "--model", tiny_llama_dir, "--tokens", "8", "--prompt-tokens", "4", "--json"])
+    rc = main(["bench", "decode", "--model", tiny_llama_dir, "--tokens", "8", "--prompt-tokens", "4", "--block-size", "2",
+               "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in res["rows"]]
     assert names == ["kvinfer", "transformers"]
     for r in res["rows"]:
         assert r["decode_tps"] > 0 and r["ttft"] > 0
+        assert r["prefill_tps"] == 4 / r["ttft"]
+    assert res["rows"][0]["cached_prompt_tokens"] == 0  # the warm-up must not serve the prompt from the cache
     assert res["rows"][1]["kvinfer_vs_this"] == res["rows"][0]["decode_tps"] / res["rows"][1]["decode_tps"]
 
 

@@ -23,20 +23,19 @@ def load_transformers(model_path: Path, dtype: torch.dtype):
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    import os
+    try:  # its GGUF conversion draws a tqdm bar of its own
+        import functools
 
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # its GGUF conversion draws a tqdm bar of its own
-    try:
-        if model_path.is_file():
-            m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
-        else:
-            m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
-    finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if not isinstance(gguf_utils.tqdm, functools.partial):
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
+    if model_path.is_file():
+        m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     return m.eval()
 
 
