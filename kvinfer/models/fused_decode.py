@@ -75,10 +75,21 @@ class FusedDecode:
         self.table = torch.tensor(rows, dtype=torch.int64)  # [layers, DECODE_LAYER_FIELDS]
         assert self.table.shape[1] == kernels.DECODE_LAYER_FIELDS
         self.scale = cfg.head_dim ** -0.5
-        self._keep = (self.table,)  # the table's memory must outlive every call
+        self._ptrs = self._current_ptrs()
+
+    def _current_ptrs(self) -> tuple:
+        first = self.model.layers[0]
+        return (self.backend.k[0].data_ptr(), first.attn.qkv.raw.data_ptr(), first.input_norm.weight.data_ptr())
+
+    def _check_ptrs(self) -> None:
+        # The table holds raw addresses: if weights or pools were replaced since, rebuild rather than read freed
+        # memory.
+        if self._current_ptrs() != self._ptrs:
+            self.__init__(self.model, self.backend)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
         """Hidden states [B, hidden] after the final norm, for a step of B single-token decodes."""
+        self._check_ptrs()
         cfg, model, kv = self.cfg, self.model, self.backend
         (g,) = md.groups
         x = model.embed(input_ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
