@@ -34,6 +34,15 @@
 
 enum { PA_OK = 0, PA_EBADSHAPE = -2, PA_ENOMEM = -4 };
 
+#if PA_AVX2
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int64_t d) {
     int64_t i = 0;
     float s = 0.0f;
@@ -44,11 +53,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     }
     for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    __m256 v = _mm256_add_ps(acc0, acc1);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    s = _mm_cvtss_f32(lo);
+    s = hsum(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < d; i++) s += a[i] * b[i];
     return s;
@@ -124,53 +129,35 @@ static inline void axpy(float *acc, float p, const float *v, int64_t d) {
 }
 
 #if PA_AVX2
+/* The loops over i < 8 below have constant bounds: gcc unrolls them and keeps the arrays in registers. */
+
 /* acc[0:64] += sum over t in [t0, t1) of p[t] * v[t * row : t * row + 64] */
 static inline void acc_block64(float *acc, const float *p, const float *v, int64_t row, int64_t t0, int64_t t1) {
-    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16),
-           a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40),
-           a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t t = t0; t < t1; t++) {
-        const float *r = v + t * row;
-        __m256 pp = _mm256_set1_ps(p[t]);
-        a0 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r), a0);
-        a1 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 8), a1);
-        a2 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 16), a2);
-        a3 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 24), a3);
-        a4 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 32), a4);
-        a5 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 40), a5);
-        a6 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 48), a6);
-        a7 = _mm256_fmadd_ps(pp, _mm256_loadu_ps(r + 56), a7);
+        const __m256 pp = _mm256_set1_ps(p[t]);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + t * row + 8 * i), a[i]);
     }
-    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
-    _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
-    _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
-/* s[t] = scale * dot(q, k[t * row : t * row + 64]) for t in [t0, t1): q held in registers, 4 keys at a time
- * reduced together. */
+/* s[t] = scale * dot(q, k[t * row : t * row + 64]) for t in [t0, t1), q held in registers. */
 static inline void scores_block64(float *s, const float *q, const float *k, int64_t row, int64_t t0, int64_t t1,
                                   float scale) {
-    __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8), q2 = _mm256_loadu_ps(q + 16),
-           q3 = _mm256_loadu_ps(q + 24), q4 = _mm256_loadu_ps(q + 32), q5 = _mm256_loadu_ps(q + 40),
-           q6 = _mm256_loadu_ps(q + 48), q7 = _mm256_loadu_ps(q + 56);
+    __m256 qv[8];
+    for (int i = 0; i < 8; i++) qv[i] = _mm256_loadu_ps(q + 8 * i);
     for (int64_t t = t0; t < t1; t++) {
-        const float *r = k + t * row;
-        __m256 x = _mm256_mul_ps(q0, _mm256_loadu_ps(r));
-        __m256 y = _mm256_mul_ps(q1, _mm256_loadu_ps(r + 8));
-        x = _mm256_fmadd_ps(q2, _mm256_loadu_ps(r + 16), x);
-        y = _mm256_fmadd_ps(q3, _mm256_loadu_ps(r + 24), y);
-        x = _mm256_fmadd_ps(q4, _mm256_loadu_ps(r + 32), x);
-        y = _mm256_fmadd_ps(q5, _mm256_loadu_ps(r + 40), y);
-        x = _mm256_fmadd_ps(q6, _mm256_loadu_ps(r + 48), x);
-        y = _mm256_fmadd_ps(q7, _mm256_loadu_ps(r + 56), y);
-        x = _mm256_add_ps(x, y);
-        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-        lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-        s[t] = _mm_cvtss_f32(lo) * scale;
+        __m256 x[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* two chains hide the FMA latency */
+        for (int i = 0; i < 8; i++) x[i & 1] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + t * row + 8 * i), x[i & 1]);
+        s[t] = hsum(_mm256_add_ps(x[0], x[1])) * scale;
     }
 }
 #endif
+
+/* Positions of block bi that lie in [first, len). */
+static inline int64_t block_start(int64_t bi, int64_t bs, int64_t first) { return bi * bs > first ? bi * bs : first; }
+static inline int64_t block_end(int64_t bi, int64_t bs, int64_t len) { return (bi + 1) * bs < len ? (bi + 1) * bs : len; }
 
 /* Sequence b, query heads q0..q1-1; scores is scratch of at least H * len floats. Tokens are the outer loop,
  * so a block's rows ([KVH, D] per token) are read front to back once for all the heads of the item. */
@@ -188,7 +175,7 @@ static int pa_item(const struct pa_job *j, int64_t b, int64_t q0, int64_t q1, fl
     for (int64_t bi = first / BS; bi * BS < len; bi++) {
         const int64_t blk = table[bi];
         if (blk < 0 || blk >= j->NB) return KVQ_EBADBLOCK;
-        const int64_t t0 = bi * BS > first ? bi * BS : first, t1 = (bi + 1) * BS < len ? (bi + 1) * BS : len;
+        const int64_t t0 = block_start(bi, BS, first), t1 = block_end(bi, BS, len);
         const float *k = j->kpool + (blk * BS - bi * BS) * row;
         for (int64_t h = q0; h < q1; h++) {
             float *s = scores + h * n - first;
@@ -215,7 +202,7 @@ static int pa_item(const struct pa_job *j, int64_t b, int64_t q0, int64_t q1, fl
         memset(out + h * D, 0, sizeof(float) * (size_t)D);
     }
     for (int64_t bi = first / BS; bi * BS < len; bi++) {
-        const int64_t t0 = bi * BS > first ? bi * BS : first, t1 = (bi + 1) * BS < len ? (bi + 1) * BS : len;
+        const int64_t t0 = block_start(bi, BS, first), t1 = block_end(bi, BS, len);
         const float *v = j->vpool + (table[bi] * BS - bi * BS) * row;
         for (int64_t h = q0; h < q1; h++) {
             const float *p = scores + h * n - first, *vh = v + (h / G) * D;
