@@ -11,6 +11,20 @@ from typing import Optional
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
+def int_at_least(name: str, lo: int = 1):
+    """An argparse type: an integer >= lo, or a one-line error that names the flag."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,

@@ -50,3 +50,19 @@ def test_bench_rejects_unknown_peer(capsys):
         main(["bench", "decode", "--compare", "vllm"])
     assert e.value.code == 2
     assert "unknown peer 'vllm'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["throughput", "--num-requests", "0"], "--num-requests must be >= 1"),
+    (["decode", "--tokens", "1"], "--tokens must be >= 2"),
+    (["decode", "--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
+    (["throughput", "--hf-batch-size", "-1"], "--hf-batch-size must be >= 1"),
+    (["serve", "--rounds", "0"], "--rounds must be >= 1"),
+    (["serve", "--max-concurrency", "x"], "--max-concurrency must be an integer"),
+])
+def test_bench_bad_counts_are_one_line_errors(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err

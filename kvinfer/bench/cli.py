@@ -16,18 +16,21 @@ def _peers(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from kvinfer.cli import add_engine_args
+    from kvinfer.cli import add_engine_args, int_at_least
 
     b = sub.add_parser("bench", help="benchmarks against peers measured in the same run",
                        description="Benchmarks that print kvinfer against peers measured in the same run.")
     bs = b.add_subparsers(dest="bench_command", metavar="BENCH")
     b.set_defaults(func=lambda a: (b.print_help(), 2)[1])
 
-    d = bs.add_parser("decode", help="TTFT and single-stream greedy decode tokens/s",
-                      description="Time to first token and single-stream greedy decode tokens/s for --tokens new "
-                                  "tokens, for kvinfer and each --compare peer on the same weights and dtype.")
-    d.add_argument("--tokens", type=int, default=256, help="new tokens (default 256)")
-    d.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
+    d = bs.add_parser("decode", help="TTFT, prefill and single-stream greedy decode tokens/s",
+                      description="Time to first token, prefill tokens/s (prompt tokens / TTFT) and single-stream "
+                                  "greedy decode tokens/s for --tokens new tokens, for kvinfer and each --compare "
+                                  "peer on the same weights and dtype. Use --prompt-tokens 512 to compare prefill.")
+    d.add_argument("--tokens", type=int_at_least("--tokens", 2), default=256,
+                   help="new tokens, at least 2 (default 256)")
+    d.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens"), default=32,
+                   help="prompt length in tokens (default 32)")
     d.add_argument("--compare", type=_peers, default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -37,11 +40,12 @@ def register(sub) -> None:
     t = bs.add_parser("throughput", help="offline throughput on a seeded 64-request workload",
                       description="64 requests (prompt 16-512, output 16-256 tokens, seeded, ignore_eos, greedy) "
                                   "through the engine, then the same workload through each --compare peer.")
-    t.add_argument("--num-requests", type=int, default=64)
+    t.add_argument("--num-requests", type=int_at_least("--num-requests"), default=64,
+                   help="requests in the workload (default 64)")
     t.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     t.add_argument("--compare", type=_peers, default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
-    t.add_argument("--hf-batch-size", type=int, default=16, help="transformers static batch size (default 16)")
+    t.add_argument("--hf-batch-size", type=int_at_least("--hf-batch-size"), default=16, help="transformers static batch size (default 16)")
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(t)
     t.set_defaults(func=cmd_throughput)

@@ -9,16 +9,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
-        return v
+    from kvinfer.cli import int_at_least
 
-    return parse
+    return int_at_least(name, 1)
 
 
 def _backends(text: str) -> list[str]:
