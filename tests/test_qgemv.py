@@ -305,3 +305,17 @@ def test_quant_embedding_and_tied_head():
     assert rel_err(head(h), h.double() @ full.double().T) < TOL
     hb = torch.randn(70, dim)  # the head stays on the kernel for every batch size
     assert rel_err(head(hb), hb.double() @ full.double().T) < TOL and head._weight is None
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_route_is_batch_invariant(qtype, threads):
+    # One row alone takes the two-weight-rows path, rows in a batch the tile path: the same arithmetic in the
+    # same order, so a request's output cannot depend on what else is in the batch. N odd: a tail row too.
+    n, k = 37, 576
+    w = torch.from_numpy(make_raw(qtype, n, k, seed=9))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(4))
+    batch = kernels.qgemv(x, w, qtype, impl="avx2_i8", num_threads=threads)
+    for r in range(6):
+        alone = kernels.qgemv(x[r:r + 1], w, qtype, impl="avx2_i8", num_threads=threads)
+        assert torch.equal(alone[0], batch[r])
