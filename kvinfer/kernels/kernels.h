@@ -3,6 +3,18 @@
 #define KVINFER_KERNELS_H
 #include <stdint.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Sum of the 8 lanes. */
+static inline float kvq_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k]; see qgemv.c. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
                float *y, int64_t ldy, int nthreads, int impl);

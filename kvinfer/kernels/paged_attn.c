@@ -34,14 +34,6 @@
 
 enum { PA_OK = 0, PA_EBADSHAPE = -2, PA_ENOMEM = -4 };
 
-#if PA_AVX2
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-#endif
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     int64_t i = 0;
@@ -53,7 +45,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     }
     for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    s = hsum(_mm256_add_ps(acc0, acc1));
+    s = kvq_hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < d; i++) s += a[i] * b[i];
     return s;
@@ -150,7 +142,7 @@ static inline void scores_block64(float *s, const float *q, const float *k, int6
     for (int64_t t = t0; t < t1; t++) {
         __m256 x[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* two chains hide the FMA latency */
         for (int i = 0; i < 8; i++) x[i & 1] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + t * row + 8 * i), x[i & 1]);
-        s[t] = hsum(_mm256_add_ps(x[0], x[1])) * scale;
+        s[t] = kvq_hsum8(_mm256_add_ps(x[0], x[1])) * scale;
     }
 }
 #endif

@@ -117,12 +117,6 @@ static void rows_scalar(const float *x, int64_t M, int64_t K, int64_t ldx, const
 /* ------------------------------------------------------------------------------------------------------------ */
 #if KVQ_AVX2
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static inline float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
@@ -189,7 +183,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
         }
         for (int r = 0; r < MT; r++) {
             for (int a = 1; a < NA; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);
-            float s = hsum8(acc[r][0]);
+            float s = kvq_hsum8(acc[r][0]);
             y[r * ldy + n] = first ? s : y[r * ldy + n] + s;
         }
     }
@@ -296,7 +290,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int8_t *xq, cons
             if (qt != QT_Q8_0) off[r] += m * sx[r * nb + b];
         }
     }
-    for (int r = 0; r < MT; r++) y[r * ldy] = hsum8(acc[r]) + off[r];
+    for (int r = 0; r < MT; r++) y[r * ldy] = kvq_hsum8(acc[r]) + off[r];
 }
 
 static void rows_i8(const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K, const uint8_t *w,

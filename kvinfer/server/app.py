@@ -271,7 +271,14 @@ class _Server:
             return prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    @staticmethod
+    def usage(finished) -> dict:
+        """The OpenAI usage object summed over finished RequestOutputs (one per prompt)."""
+        prompt_tokens = completion_tokens = cached = 0
+        for out in finished:
+            prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens
+            completion_tokens += sum(len(o.token_ids) for o in out.outputs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -456,20 +463,17 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         finals = await srv.collect(stream, request)
         if finals is None:
             return Response(status_code=499)
-        choices, ptoks, ctoks, cached = [], 0, 0, 0
+        choices = []
         for p_idx, rid in enumerate(stream.request_ids):
             out = finals[rid]
-            ptoks += len(out.prompt_token_ids)
-            cached += out.num_cached_tokens
             prefix = srv.text_of_prompt(prompts[p_idx], out) if body.echo else ""
             for o in out.outputs:
-                ctoks += len(o.token_ids)
                 lps = srv.completion_logprobs(o.logprobs or [], 0)[0] if body.logprobs is not None else None
                 choices.append({"index": p_idx * n + o.index, "text": prefix + o.text, "logprobs": lps,
                                 "finish_reason": _finish(o.finish_reason)})
         choices.sort(key=lambda c: c["index"])
         return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": srv.model_name,
-                "choices": choices, "usage": srv.usage(ptoks, ctoks, cached)}
+                "choices": choices, "usage": srv.usage(finals[r] for r in stream.request_ids)}
 
     # -- chat completions
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -504,9 +508,8 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
             choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
                             "logprobs": srv.chat_logprobs(o.logprobs or [], k) if k is not None else None,
                             "finish_reason": _finish(o.finish_reason)})
-        ctoks = sum(len(o.token_ids) for o in out.outputs)
         return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": srv.model_name,
-                "choices": choices, "usage": srv.usage(len(out.prompt_token_ids), ctoks, out.num_cached_tokens)}
+                "choices": choices, "usage": srv.usage([out])}
 
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -569,7 +572,7 @@ async def _stream_completion(srv: _Server, ctx: _Ctx, echo: bool, want_lp: bool,
     lp_seen: dict[int, int] = {}
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
-    ptoks = ctoks = cached = 0
+    finished = []  # RequestOutputs of finished prompts, for the usage chunk
     head = {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model}
     try:
         async for out in stream:
@@ -593,11 +596,9 @@ async def _stream_completion(srv: _Server, ctx: _Ctx, echo: bool, want_lp: bool,
                               "finish_reason": _finish(o.finish_reason) if o.finish_reason else None}
                     yield _sse({**head, "choices": [choice]})
             if out.finished:
-                ptoks += len(out.prompt_token_ids)
-                cached += out.num_cached_tokens
-                ctoks += sum(len(o.token_ids) for o in out.outputs)
+                finished.append(out)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": srv.usage(ptoks, ctoks, cached)})
+            yield _sse({**head, "choices": [], "usage": srv.usage(finished)})
         yield _DONE
     except Exception as e:  # the engine died mid-stream: tell the client in-band, then end the stream
         log.warning("stream %s failed: %r", ctx.id, e)
@@ -614,7 +615,7 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
     head = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
     if include_usage:
         head["usage"] = None
-    ptoks = ctoks = cached = 0
+    finished = []  # RequestOutputs of finished prompts, for the usage chunk
     try:
         for i in range(n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -635,11 +636,9 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
                     yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "logprobs": None,
                                                      "finish_reason": _finish(o.finish_reason)}]})
             if out.finished:
-                ptoks += len(out.prompt_token_ids)
-                cached += out.num_cached_tokens
-                ctoks += sum(len(o.token_ids) for o in out.outputs)
+                finished.append(out)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": srv.usage(ptoks, ctoks, cached)})
+            yield _sse({**head, "choices": [], "usage": srv.usage(finished)})
         yield _DONE
     except Exception as e:
         log.warning("stream %s failed: %r", ctx.id, e)
