@@ -117,7 +117,6 @@ static void rows_scalar(const float *x, int64_t M, int64_t K, int64_t ldx, const
 /* ------------------------------------------------------------------------------------------------------------ */
 #if KVQ_AVX2
 
-
 static inline float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
 /* fp16 field broadcast to 8 floats: broadcasting the half first saves a shuffle per block. */
