@@ -5,13 +5,9 @@ import argparse
 import json
 import sys
 
+from kvinfer.cli import int_at_least as _positive_int
+
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _positive_int(name: str):
-    from kvinfer.cli import int_at_least
-
-    return int_at_least(name, 1)
 
 
 def _backends(text: str) -> list[str]:
