@@ -50,12 +50,25 @@ def test_matches_reference_mha_gqa_mqa(H, KVH, D, threads):
     torch.testing.assert_close(out, _reference(q, k, v, tables, ln, D ** -0.5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("B", [1, 2, 9])  # fewer sequences than threads splits by kv head; more splits by sequence
+@pytest.mark.parametrize("B", [1, 2, 9])  # few sequences: their blocks are split in chunks; many: one item each
 def test_batch_sizes_and_block_size(B):
     lens = [(37 * i) % 90 + 1 for i in range(1, B + 1)]
     q, k, v, tables, ln = _case(B, 8, 2, 32, 4, lens, seed=B)
     out = kernels.paged_decode_attention(q, k, v, tables, ln, 0.3, num_threads=4)
     torch.testing.assert_close(out, _reference(q, k, v, tables, ln, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("lens", [[1], [3], [40], [333], [2, 200]])
+def test_split_sequences_merge_their_chunks(threads, lens):
+    # MQA (one kv head) and one or two sequences: each sequence's blocks are split across up to 8 work items
+    # whose partial softmaxes are merged; a short sequence leaves some chunks empty.
+    B = len(lens)
+    q, k, v, tables, ln = _case(B, 8, 1, 64, 16, lens, seed=sum(lens) + threads)
+    for kw, ref in [({}, {}), ({"alibi_slopes": alibi_slopes(8)}, {"slopes": alibi_slopes(8)}),
+                    ({"sliding_window": 37}, {"window": 37})]:
+        out = kernels.paged_decode_attention(q, k, v, tables, ln, 0.125, num_threads=threads, **kw)
+        torch.testing.assert_close(out, _reference(q, k, v, tables, ln, 0.125, **ref), rtol=1e-5, atol=1e-5)
 
 
 def test_alibi_and_sliding_window():

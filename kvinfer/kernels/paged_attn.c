@@ -9,10 +9,11 @@
  *   slopes float32 [H] or NULL            ALiBi: score += slope * (key position - query position)
  *   window 0, or attend only to the last `window` positions (sliding-window attention)
  *
- * Query heads h share kv head h / (H / KVH) (MHA, GQA and MQA alike). A work item is one sequence (or one
- * of its kv heads when there are fewer sequences than threads): each key and value row is read once for
- * all the query heads that share it. Scores are exact float32
- * softmax (max subtracted), so results match scaled_dot_product_attention up to summation order.
+ * Query heads h share kv head h / (H / KVH) (MHA, GQA and MQA alike). A work item is one kv head of one
+ * sequence with all the query heads that share it, so each key and value row is read once per step; with
+ * too few sequences to occupy the threads, the items are chunks of a sequence's blocks whose partial
+ * softmaxes are merged afterwards. Scores are exact float32 softmax (max subtracted), so results match
+ * scaled_dot_product_attention up to summation order.
  */
 #include "kernels.h"
 
@@ -151,60 +152,67 @@ static inline void scores_block64(float *s, const float *q, const float *k, int6
 static inline int64_t block_start(int64_t bi, int64_t bs, int64_t first) { return bi * bs > first ? bi * bs : first; }
 static inline int64_t block_end(int64_t bi, int64_t bs, int64_t len) { return (bi + 1) * bs < len ? (bi + 1) * bs : len; }
 
-/* Sequence b, query heads q0..q1-1; scores is scratch of at least H * len floats. Tokens are the outer loop,
- * so a block's rows ([KVH, D] per token) are read front to back once for all the heads of the item. */
-static int pa_item(const struct pa_job *j, int64_t b, int64_t q0, int64_t q1, float *scores) {
-    const int64_t G = j->H / j->KVH, D = j->D, BS = j->BS;
-    const int64_t len = j->lens[b];
-    const int64_t first = (j->window > 0 && len > j->window) ? len - j->window : 0;
-    const int64_t n = len - first;
+/* One work item: sequence b, kv head g with the G query heads that share it, attended positions [t0, t1).
+ * Writes, per query head, the unnormalised partial softmax (m = max score, l = sum of exp(s - m),
+ * o = sum of exp(s - m) * v) to part[h * (D + 2)...]; an empty range gives l = 0. Tokens are the outer loop
+ * and the G heads the inner one, so each key and value row is read from memory once for all of them.
+ * scores is scratch of at least G * (t1 - t0) floats. */
+static int pa_part(const struct pa_job *j, int64_t b, int64_t g, int64_t t0, int64_t t1, float *scores,
+                   float *part) {
+    const int64_t G = j->H / j->KVH, D = j->D, BS = j->BS, len = j->lens[b], n = t1 - t0;
     const int64_t *table = j->tables + b * j->T;
-    const float *q = j->q + b * j->q_stride;
-    float *out = j->out + b * j->out_stride;
+    const float *q = j->q + b * j->q_stride + g * G * D;
     const int64_t row = j->KVH * D; /* floats per token in a block */
-
+    if (n <= 0) {
+        for (int64_t h = 0; h < G; h++) {
+            float *ph = part + h * (D + 2);
+            ph[0] = -INFINITY, ph[1] = 0.0f;
+            memset(ph + 2, 0, sizeof(float) * (size_t)D);
+        }
+        return PA_OK;
+    }
     /* Block by block (no division per token). */
-    for (int64_t bi = first / BS; bi * BS < len; bi++) {
+    for (int64_t bi = t0 / BS; bi * BS < t1; bi++) {
         const int64_t blk = table[bi];
         if (blk < 0 || blk >= j->NB) return KVQ_EBADBLOCK;
-        const int64_t t0 = block_start(bi, BS, first), t1 = block_end(bi, BS, len);
-        const float *k = j->kpool + (blk * BS - bi * BS) * row;
-        for (int64_t h = q0; h < q1; h++) {
-            float *s = scores + h * n - first;
-            const float *kh = k + (h / G) * D;
+        const int64_t ts = block_start(bi, BS, t0), te = block_end(bi, BS, t1);
+        const float *k = j->kpool + (blk * BS - bi * BS) * row + g * D;
+        for (int64_t h = 0; h < G; h++) {
+            float *s = scores + h * n - t0;
 #if PA_AVX2
             if (D == 64) {
-                scores_block64(s, q + h * D, kh, row, t0, t1, j->scale);
+                scores_block64(s, q + h * D, k, row, ts, te, j->scale);
                 continue;
             }
 #endif
-            for (int64_t t = t0; t < t1; t++) s[t] = dot(q + h * D, kh + t * row, D) * j->scale;
+            for (int64_t t = ts; t < te; t++) s[t] = dot(q + h * D, k + t * row, D) * j->scale;
         }
     }
-    for (int64_t h = q0; h < q1; h++) {
-        float *s = scores + h * n;
+    for (int64_t h = 0; h < G; h++) {
+        float *s = scores + h * n, *ph = part + h * (D + 2);
         if (j->slopes) {
-            float slope = j->slopes[h];
-            for (int64_t i = 0; i < n; i++) s[i] += slope * (float)(first + i - (len - 1));
+            float slope = j->slopes[g * G + h];
+            for (int64_t i = 0; i < n; i++) s[i] += slope * (float)(t0 + i - (len - 1));
         }
         float mx = -INFINITY;
         for (int64_t i = 0; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-        float inv = 1.0f / kvq_exp_shift_sum(s, n, mx);
-        for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        memset(out + h * D, 0, sizeof(float) * (size_t)D);
+        ph[0] = mx;
+        ph[1] = kvq_exp_shift_sum(s, n, mx);
+        memset(ph + 2, 0, sizeof(float) * (size_t)D);
     }
-    for (int64_t bi = first / BS; bi * BS < len; bi++) {
-        const int64_t t0 = block_start(bi, BS, first), t1 = block_end(bi, BS, len);
-        const float *v = j->vpool + (table[bi] * BS - bi * BS) * row;
-        for (int64_t h = q0; h < q1; h++) {
-            const float *p = scores + h * n - first, *vh = v + (h / G) * D;
+    for (int64_t bi = t0 / BS; bi * BS < t1; bi++) {
+        const int64_t ts = block_start(bi, BS, t0), te = block_end(bi, BS, t1);
+        const float *v = j->vpool + (table[bi] * BS - bi * BS) * row + g * D;
+        for (int64_t h = 0; h < G; h++) {
+            const float *p = scores + h * n - t0;
+            float *o = part + h * (D + 2) + 2;
 #if PA_AVX2
             if (D == 64) { /* the common head size: the accumulator stays in registers across the block */
-                acc_block64(out + h * D, p, vh, row, t0, t1);
+                acc_block64(o, p, v, row, ts, te);
                 continue;
             }
 #endif
-            for (int64_t t = t0; t < t1; t++) axpy(out + h * D, p[t], vh + t * row, D);
+            for (int64_t t = ts; t < te; t++) axpy(o, p[t], v + t * row, D);
         }
     }
     return PA_OK;
@@ -222,20 +230,30 @@ int kvq_paged_decode_run(const struct pa_job *jp, int nthreads) {
     }
     if (j.B == 0) return PA_OK;
     int nt = nthreads > 0 ? nthreads : 1;
-    /* Whole sequences per item when there are enough of them to keep the threads busy; otherwise one query
-     * head per item, so that a single sequence still uses every thread evenly. */
-    const int64_t per = j.B >= 2 * (int64_t)nt ? j.H : 1;
-    const int64_t groups = j.H / per, items = j.B * groups;
+    /* A work item is one (sequence, kv head) pair, or, when there are too few of those to give every thread
+     * two, a chunk of that pair's blocks (flash-decoding's split): then each chunk's partial softmax is merged
+     * below. Either way every key and value row is read once per step. */
+    const int64_t G = j.H / j.KVH, D = j.D, pairs = j.B * j.KVH;
+    const int64_t C = pairs >= 2 * (int64_t)nt ? 1 : (2 * nt + pairs - 1) / pairs;
+    const int64_t items = pairs * C;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(items * G * (D + 2)));
+    if (!part) return PA_ENOMEM;
     if (nt > items) nt = (int)items;
     int status = PA_OK;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(j.H * maxlen));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * maxlen));
         /* Sequence lengths vary a lot: hand out items one at a time. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            int64_t b = it / groups, q0 = it % groups * per;
-            int rc = scores ? pa_item(&j, b, q0, q0 + per, scores) : PA_ENOMEM;
+            const int64_t b = it / (j.KVH * C), g = it / C % j.KVH, c = it % C, len = j.lens[b];
+            const int64_t first = (j.window > 0 && len > j.window) ? len - j.window : 0;
+            /* chunk c of C: whole blocks, as even as the block count allows */
+            const int64_t b0 = first / j.BS, nblk = (len - 1) / j.BS + 1 - b0;
+            int64_t t0 = (b0 + c * nblk / C) * j.BS, t1 = (b0 + (c + 1) * nblk / C) * j.BS;
+            t0 = t0 > first ? t0 : first;
+            t1 = t1 < len ? t1 : len;
+            int rc = scores ? pa_part(&j, b, g, t0, t1, scores, part + it * G * (D + 2)) : PA_ENOMEM;
             if (rc) {
 #pragma omp atomic write
                 status = rc;
@@ -243,6 +261,29 @@ int kvq_paged_decode_run(const struct pa_job *jp, int nthreads) {
         }
         free(scores);
     }
+    if (status == PA_OK) {
+        for (int64_t b = 0; b < j.B; b++)
+            for (int64_t h = 0; h < j.H; h++) {
+                const int64_t g = h / G;
+                const float *p0 = part + ((b * j.KVH + g) * C * G + h % G) * (D + 2);
+                const int64_t cs = G * (D + 2); /* between the chunks of one head */
+                float mx = -INFINITY, l = 0.0f;
+                for (int64_t c = 0; c < C; c++)
+                    if (p0[c * cs + 1] > 0.0f && p0[c * cs] > mx) mx = p0[c * cs];
+                float *out = j.out + b * j.out_stride + h * D;
+                memset(out, 0, sizeof(float) * (size_t)D);
+                for (int64_t c = 0; c < C; c++) {
+                    const float *pc = p0 + c * cs;
+                    if (pc[1] <= 0.0f) continue;
+                    const float w = C == 1 ? 1.0f : expf(pc[0] - mx);
+                    l += w * pc[1];
+                    for (int64_t i = 0; i < D; i++) out[i] += w * pc[2 + i];
+                }
+                const float inv = 1.0f / l;
+                for (int64_t i = 0; i < D; i++) out[i] *= inv;
+            }
+    }
+    free(part);
     return status;
 }
 
