@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvinfer import LLM, SamplingParams
+from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.kv.cache import NoCache, SeqSlice
 from kvinfer.layers.quant_linear import QuantLinear
 
@@ -34,11 +34,21 @@ def test_greedy_agreement(pair):
     tok = quant.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    a = [o.outputs[0].token_ids for o in quant.generate(ids, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in plain.generate(ids, sp, use_tqdm=False)]
+    a = [o.outputs[0].token_ids for o in quant.generate(ids, sp, use_tqdm=False)]
     same = sum(x == y for x, y in zip(a, b))
-    print(f"identical 32-token continuations: {same}/{len(PROMPTS)}")
-    assert same >= 0.9 * len(PROMPTS)
+    # 20 sequences decode together, more rows than the int16 route takes by default: run again with every
+    # matmul on it, as a lone request's decode steps would be
+    old = kernels.set_int16_max_rows(1 << 30) if kernels.available() else None
+    try:
+        a16 = [o.outputs[0].token_ids for o in quant.generate(ids, sp, use_tqdm=False)]
+    finally:
+        if old is not None:
+            kernels.set_int16_max_rows(old)
+    same16 = sum(x == y for x, y in zip(a16, b))
+    print(f"identical 32-token continuations: {same}/{len(PROMPTS)} (default routes), "
+          f"{same16}/{len(PROMPTS)} (int16 x everywhere)")
+    assert same >= 0.9 * len(PROMPTS) and same16 >= 0.9 * len(PROMPTS)
 
 
 def perplexity(llm, ids) -> float:
@@ -59,11 +69,21 @@ def test_perplexity_within_one_percent(pair):
         if isinstance(m, QuantLinear):
             m.kernel_max_rows = None  # every row through the kernel, as decode steps would be
     try:
-        pq = perplexity(quant, ids)
+        pq = perplexity(quant, ids)  # float32 x (the route of prefill-sized inputs)
+        # every row on the int16-activation route that decode steps take (rows are rounded independently,
+        # so a long input gives each row exactly the arithmetic it would get alone)
+        old = kernels.set_int16_max_rows(1 << 30) if kernels.available() else None
+        try:
+            pq16 = perplexity(quant, ids)
+        finally:
+            if old is not None:
+                kernels.set_int16_max_rows(old)
     finally:
         for m in quant.engine.loaded.model.modules():
             if isinstance(m, QuantLinear):
                 m.kernel_max_rows = 32
     pp = perplexity(plain, ids)
-    print(f"perplexity on {len(ids)} tokens: kernels {pq:.4f}, dequantized float32 {pp:.4f}")
+    print(f"perplexity on {len(ids)} tokens: kernels {pq:.4f} (float32 x), {pq16:.4f} (int16 x), "
+          f"dequantized float32 {pp:.4f}")
     assert abs(pq - pp) / pp < 0.01
+    assert abs(pq16 - pp) / pp < 0.01
