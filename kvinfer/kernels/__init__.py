@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 __all__ = ["QTYPES", "INT16_MAX_ROWS", "set_int16_max_rows", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "paged_decode_attention", "decode_step",
+           "silu_mul", "rope_pair_",
            "library_path", "build", "load"]
 
 SOURCE = Path(__file__).with_name("qgemv.c")
@@ -152,6 +153,10 @@ def _declare(lib: ctypes.CDLL):
         getattr(lib, name).restype = ctypes.c_int
     lib.kvq_set_i16_max_rows.argtypes = [i64]
     lib.kvq_set_i16_max_rows.restype = i64
+    lib.kvq_silu_mul_rows.argtypes = [vp, i64, i64, i64, vp, c_int]
+    lib.kvq_silu_mul_rows.restype = None
+    lib.kvq_rope_rows.argtypes = [vp, i64, i64, i64, i64, vp, vp, c_int]
+    lib.kvq_rope_rows.restype = None
     for name in ("kvq_built_with_avx2", "kvq_cpu_has_avx2", "kvq_max_threads"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = c_int
@@ -378,6 +383,36 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if rc:
         raise RuntimeError(f"paged decode attention failed: {_PA_ERRORS.get(rc, rc)}")
     return out
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> Optional[torch.Tensor]:
+    """silu(gu[:, :inter]) * gu[:, inter:] in one pass, for a float32 CPU [tokens, 2 * inter] tensor with
+    contiguous rows; None when the kernels are unavailable or the tensor does not fit (the caller falls back)."""
+    if (gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.shape[1] != 2 * inter
+            or gu.stride(1) != 1 or not available()):
+        return None
+    out = torch.empty((gu.shape[0], inter), dtype=torch.float32)
+    _lib.kvq_silu_mul_rows(gu.data_ptr(), gu.shape[0], inter, gu.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0 and tuple(cos.shape) == (x.shape[0], x.shape[2] // 2))
+
+
+def rope_pair_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate-half RoPE applied in place to q [tokens, heads, dim] and k [tokens, kv_heads, dim] (float32 CPU,
+    heads contiguous within a row) with cos/sin float32 contiguous [tokens, dim / 2]. Returns False, touching
+    neither, when the kernels are unavailable or a layout does not fit (the caller falls back)."""
+    if (not available() or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+            or not sin.is_contiguous() or sin.shape != cos.shape or not _rope_fits(q, cos) or not _rope_fits(k, cos)):
+        return False
+    nt = torch.get_num_threads()
+    for x in (q, k):
+        _lib.kvq_rope_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(),
+                           sin.data_ptr(), nt)
+    return True
 
 
 DECODE_LAYER_FIELDS = 16  # int64 columns of decode_step's layer table (see decode_step.c)

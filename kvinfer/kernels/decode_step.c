@@ -120,3 +120,20 @@ done:
     free(h), free(qkv), free(att), free(gu), free(act), free(y);
     return rc;
 }
+
+/* ---- Row kernels for the eager path's prefill steps (one pass over memory instead of torch's several) ---- */
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i] for r < rows: SwiGLU on the fused gate-up output (row stride
+ * ld_in floats; out is contiguous [rows, inter]). */
+void kvq_silu_mul_rows(const float *gu, int64_t rows, int64_t inter, int64_t ld_in, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) if (rows * inter >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; r++) kvq_silu_mul(gu + r * ld_in, gu + r * ld_in + inter, out + r * inter, inter);
+}
+
+/* Rotate-half RoPE in place on `tokens` rows of nh heads of width D each (row stride ld floats, heads
+ * contiguous within a row), with per-token cos/sin rows [tokens, D / 2]. */
+void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, const float *cosb, const float *sinb,
+                   int nthreads) {
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) if (tokens * nh * D >= 32768) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) rope(x + t * ld, nh, D, cosb + t * (D / 2), sinb + t * (D / 2));
+}

@@ -35,4 +35,9 @@ enum { KVQ_EBADBLOCK = -6 };
 /* s[i] = exp(s[i] - mx), returning the sum; y = silu(g) * u (both vectorised; see paged_attn.c). */
 float kvq_exp_shift_sum(float *s, int64_t n, float mx);
 void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n);
+
+/* Row kernels of the eager path (decode_step.c): SwiGLU over fused gate-up rows, rotate-half RoPE in place. */
+void kvq_silu_mul_rows(const float *gu, int64_t rows, int64_t inter, int64_t ld_in, float *out, int nthreads);
+void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, const float *cosb, const float *sinb,
+                   int nthreads);
 #endif

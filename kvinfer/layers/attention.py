@@ -82,7 +82,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
+            q, k = self.rotary.rotate_(positions, q, k)  # q, k are this layer's own: may rotate in place
         kv.store(self.layer_idx, k, v, md)
         if len(md.groups) == 1:
             out = self._attend(md.groups[0], q, k, v, kv)
