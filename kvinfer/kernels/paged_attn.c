@@ -152,6 +152,16 @@ static inline void scores_block64(float *s, const float *q, const float *k, int6
 static inline int64_t block_start(int64_t bi, int64_t bs, int64_t first) { return bi * bs > first ? bi * bs : first; }
 static inline int64_t block_end(int64_t bi, int64_t bs, int64_t len) { return (bi + 1) * bs < len ? (bi + 1) * bs : len; }
 
+/* Ask for the next block's rows of one kv head (D floats at offset off in each of its BS rows) while this
+ * block is being worked on: blocks sit anywhere in the pool, so the hardware prefetchers cannot guess them. */
+static inline void prefetch_rows(const float *pool, int64_t blk, int64_t NB, int64_t BS, int64_t row, int64_t off,
+                                 int64_t D) {
+    if (blk < 0 || blk >= NB) return; /* checked (and reported) when the block is reached */
+    const char *p = (const char *)(pool + blk * BS * row + off);
+    for (int64_t t = 0; t < BS; t++)
+        for (int64_t i = 0; i < D * (int64_t)sizeof(float); i += 64) __builtin_prefetch(p + t * row * sizeof(float) + i);
+}
+
 /* One work item: sequence b, kv head g with the G query heads that share it, attended positions [t0, t1).
  * Writes, per query head, the unnormalised partial softmax (m = max score, l = sum of exp(s - m),
  * o = sum of exp(s - m) * v) to part[h * (D + 2)...]; an empty range gives l = 0. Tokens are the outer loop
@@ -177,6 +187,7 @@ static int pa_part(const struct pa_job *j, int64_t b, int64_t g, int64_t t0, int
         if (blk < 0 || blk >= j->NB) return KVQ_EBADBLOCK;
         const int64_t ts = block_start(bi, BS, t0), te = block_end(bi, BS, t1);
         const float *k = j->kpool + (blk * BS - bi * BS) * row + g * D;
+        if ((bi + 1) * BS < t1) prefetch_rows(j->kpool, table[bi + 1], j->NB, BS, row, g * D, D);
         for (int64_t h = 0; h < G; h++) {
             float *s = scores + h * n - t0;
 #if PA_AVX2
@@ -203,6 +214,7 @@ static int pa_part(const struct pa_job *j, int64_t b, int64_t g, int64_t t0, int
     for (int64_t bi = t0 / BS; bi * BS < t1; bi++) {
         const int64_t ts = block_start(bi, BS, t0), te = block_end(bi, BS, t1);
         const float *v = j->vpool + (table[bi] * BS - bi * BS) * row + g * D;
+        if ((bi + 1) * BS < t1) prefetch_rows(j->vpool, table[bi + 1], j->NB, BS, row, g * D, D);
         for (int64_t h = 0; h < G; h++) {
             const float *p = scores + h * n - t0;
             float *o = part + h * (D + 2) + 2;
