@@ -66,3 +66,85 @@ def test_bench_bad_counts_are_one_line_errors(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
+
+
+FAKE_LLAMA_SERVER = '''#!{python}
+# Stands in for llama.cpp's server: /health, and /completion answering more tokens than asked (to be capped).
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+if os.environ.get("FAKE_FAIL"):
+    print("error: model file not found", file=sys.stderr)
+    sys.exit(3)
+with open(os.environ["FAKE_ARGV"], "w") as f:
+    json.dump(sys.argv[1:], f)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, obj):
+        out = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404, {{}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = body["temperature"] == 0 and body["ignore_eos"] and isinstance(body["prompt"], list)
+        self._send(200, {{"tokens_predicted": body["n_predict"] + 3 if ok else 0}})
+
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path, monkeypatch):
+    import sys
+
+    exe = tmp_path / "llama-server"
+    exe.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("FAKE_ARGV", str(tmp_path / "argv.json"))
+    return exe
+
+
+def test_llama_server_peer_sends_the_workload_to_parallel_slots(fake_llama_server, tmp_path):
+    from pathlib import Path
+
+    from kvinfer.bench.peers import find_llama_server, llama_server_throughput
+
+    work = throughput_workload(6, 0, vocab_size=256)
+    assert find_llama_server(str(fake_llama_server)) == str(fake_llama_server)
+    r = llama_server_throughput(str(fake_llama_server), Path("/m.gguf"), work, threads=2, slots=4, ctx_per_slot=800)
+    assert r["useful_tokens"] == sum(w.output_tokens for w in work)  # capped at what each request asked for
+    assert r["tps"] == r["useful_tokens"] / r["seconds"]
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    for flag, value in [("-m", "/m.gguf"), ("-np", "4"), ("-c", "3200"), ("-t", "2")]:
+        assert argv[argv.index(flag) + 1] == value
+    assert "-np 4" in r["command"]
+
+
+def test_llama_server_peer_reports_a_server_that_dies(fake_llama_server, monkeypatch):
+    from pathlib import Path
+
+    from kvinfer.bench.peers import llama_server_throughput
+
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    with pytest.raises(RuntimeError, match="exited with 3: error: model file not found"):
+        llama_server_throughput(str(fake_llama_server), Path("/m.gguf"), throughput_workload(2, 0, vocab_size=256),
+                                threads=1, slots=2, ctx_per_slot=100)
+
+
+def test_bench_throughput_without_llama_server_says_so(tiny_llama_dir, tmp_path, capsys):
+    rc = main(["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "2", "--compare", "llama-server",
+               "--llama-server", str(tmp_path / "missing")])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "llama-server not found: pass --llama-server PATH or set LLAMA_SERVER; skipped" in cap.err
+    assert "kvinfer" in cap.out and "llama.cpp server" not in cap.out

@@ -9,9 +9,10 @@ import time
 
 def _peers(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in ("transformers", "llama.cpp", "none")]
+    bad = [n for n in names if n not in ("transformers", "llama.cpp", "llama-server", "none")]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown peer {bad[0]!r}; choose from transformers, llama.cpp, none")
+        raise argparse.ArgumentTypeError(
+            f"unknown peer {bad[0]!r}; choose from transformers, llama.cpp, llama-server, none")
     return [n for n in names if n != "none"]
 
 
@@ -44,7 +45,14 @@ def register(sub) -> None:
                    help="requests in the workload (default 64)")
     t.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     t.add_argument("--compare", type=_peers, default=["transformers"],
-                   help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
+                   help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
+                        "time), llama-server (llama.cpp's HTTP server, parallel slots), none (default "
+                        "transformers)")
+    t.add_argument("--llama-server", metavar="PATH", default=None,
+                   help="llama.cpp server binary for --compare llama-server (default $LLAMA_SERVER, else "
+                        "llama-server on PATH)")
+    t.add_argument("--llama-server-slots", type=int_at_least("--llama-server-slots"), default=16,
+                   help="its parallel sequences, -np (default 16)")
     t.add_argument("--hf-batch-size", type=int_at_least("--hf-batch-size"), default=16, help="transformers static batch size (default 16)")
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(t)
@@ -133,6 +141,8 @@ def cmd_decode(args) -> int:
                 continue
             llama_cpp_decode(llm, prompt, 8)
             rows.append(dict(name="llama.cpp", load_s=load_s, **llama_cpp_decode(llm, prompt, args.tokens)))
+        else:
+            print(f"peer {peer} is measured by bench throughput only; skipped", file=sys.stderr)
     ref = rows[0]["decode_tps"]
     for r in rows:
         r["prefill_tps"] = args.prompt_tokens / r["ttft"]  # TTFT = prefill of the prompt + the first token
@@ -230,6 +240,24 @@ def cmd_throughput(args) -> int:
             r = llama_cpp_throughput(llm_cpp, work)
             rows.append(dict(name="llama.cpp (llama-cpp-python, sequential)", **r))
             del llm_cpp
+        elif peer == "llama-server":
+            from kvinfer.bench.peers import find_llama_server, llama_server_throughput
+
+            binary = find_llama_server(args.llama_server)
+            if binary is None:
+                print("llama-server not found: pass --llama-server PATH or set LLAMA_SERVER; skipped",
+                      file=sys.stderr)
+                continue
+            if path is None or not path.is_file():
+                print("llama-server needs a GGUF model; skipped", file=sys.stderr)
+                continue
+            longest = max(len(w.prompt_token_ids) + w.output_tokens for w in work)
+            try:
+                r = llama_server_throughput(binary, path, work, _threads(), args.llama_server_slots, longest + 16)
+            except RuntimeError as e:
+                print(f"llama-server: {e}; skipped", file=sys.stderr)
+                continue
+            rows.append(dict(name=f"llama.cpp server ({args.llama_server_slots} slots)", **r))
     for r in rows:
         r["kvinfer_vs_this"] = ours["tps"] / r["tps"]
     if args.json:
@@ -238,4 +266,7 @@ def cmd_throughput(args) -> int:
     print(f"{'engine':<42}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}")
     for r in rows:
         print(f"{r['name']:<42}{r['tps']:>10.1f}{r['seconds']:>9.1f}{r['kvinfer_vs_this']:>16.2f}x")
+    for r in rows:
+        if r.get("command"):
+            print(f"{r['name']}: {r['command']}")
     return 0

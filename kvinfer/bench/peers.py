@@ -120,3 +120,74 @@ def llama_cpp_throughput(llm, requests) -> dict:
         useful += n
     secs = time.perf_counter() - t0
     return dict(seconds=secs, useful_tokens=useful, tps=useful / secs)
+
+
+def find_llama_server(explicit: Optional[str]) -> Optional[str]:
+    """The llama.cpp server binary: --llama-server, else $LLAMA_SERVER, else `llama-server` on PATH."""
+    import os
+    import shutil
+
+    cand = explicit or os.environ.get("LLAMA_SERVER") or "llama-server"
+    return shutil.which(cand) or (cand if os.path.isfile(cand) and os.access(cand, os.X_OK) else None)
+
+
+def llama_server_throughput(binary: str, model_path: Path, requests, threads: int, slots: int,
+                            ctx_per_slot: int) -> dict:
+    """The workload through llama.cpp's own HTTP server with `slots` parallel sequences (continuous batching):
+    every request is sent at once from its own thread, the server queues what its slots cannot take."""
+    import json
+    import socket
+    import subprocess
+    import tempfile
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [binary, "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "-b", "512", "-ngl", "0"]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' | '.join(tail)}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("llama-server did not become healthy within 120 s")
+            time.sleep(0.3)
+
+        def one(r, n_predict=None):
+            body = json.dumps(dict(prompt=r.prompt_token_ids, n_predict=n_predict or r.output_tokens,
+                                   temperature=0.0, top_k=1, ignore_eos=True, cache_prompt=False,
+                                   stream=False)).encode()
+            req = urllib.request.Request(base + "/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                out = json.loads(resp.read())
+            return min(int(out.get("tokens_predicted", 0)), n_predict or r.output_tokens)
+
+        one(requests[0], 4)  # warm-up
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            useful = sum(pool.map(one, requests))
+        secs = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return dict(seconds=secs, useful_tokens=useful, tps=useful / secs, command=" ".join(argv[:1] + argv[3:]))
