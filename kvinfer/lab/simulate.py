@@ -65,14 +65,14 @@ class CostModel:
 
 
 # Measured with `kvinfer simulate --fit --threads 2` on the project's 2-core machine while it was quiet (load
-# average 1.7), with the fused decode step and the paged decode kernel. Checked against `kvinfer bench
-# throughput` on the same machine the same day: predicted 140.5 generated tok/s, measured 117-127 in separate
-# runs (the fit's steps run 10% faster than the same kinds of steps inside the long workload).
+# average 1.9), with the int16-activation decode matmuls, the fused decode step, the paged decode kernel and
+# the prefill row kernels. Checked against `kvinfer bench throughput` on the same machine the same day:
+# predicted 133.5 generated tok/s (130.3 with a second fit), measured 126.0 (6% apart).
 # Re-fit on another machine with --fit (use --threads 1 --fit-clock cpu if it is shared and busy).
 FITTED = CostModel(
-    a=0.00581552, b=0.00174623, c=0.000734071, d=2.09247e-06,
-    source="fitted 2026-11-29 on AMD EPYC (2 CPUs), 2 torch threads, wall clock, quiet, built-in "
-           "SmolLM2-135M-Instruct Q4_1 as float32, 97 of 110 steps",
+    a=0.00393589, b=0.00174535, c=0.000842619, d=2.92649e-06,
+    source="fitted 2026-11-30 on AMD EPYC (2 CPUs), 2 torch threads, wall clock, quiet, built-in "
+           "SmolLM2-135M-Instruct Q4_1 as float32, 101 of 110 steps",
     fitted_parameters=134515008, fitted_attention_width=30 * 9 * 64,
 )
 
