@@ -96,6 +96,8 @@ class H(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if os.environ.get("FAKE_HTTP_500"):
+            return self._send(500, {{"error": "boom"}})
         ok = body["temperature"] == 0 and body["ignore_eos"] and isinstance(body["prompt"], list)
         self._send(200, {{"tokens_predicted": body["n_predict"] + 3 if ok else 0}})
 
@@ -137,6 +139,17 @@ def test_llama_server_peer_reports_a_server_that_dies(fake_llama_server, monkeyp
 
     monkeypatch.setenv("FAKE_FAIL", "1")
     with pytest.raises(RuntimeError, match="exited with 3: error: model file not found"):
+        llama_server_throughput(str(fake_llama_server), Path("/m.gguf"), throughput_workload(2, 0, vocab_size=256),
+                                threads=1, slots=2, ctx_per_slot=100)
+
+
+def test_llama_server_peer_reports_failing_requests(fake_llama_server, monkeypatch):
+    from pathlib import Path
+
+    from kvinfer.bench.peers import llama_server_throughput
+
+    monkeypatch.setenv("FAKE_HTTP_500", "1")
+    with pytest.raises(RuntimeError, match="a request to llama-server failed: HTTP Error 500"):
         llama_server_throughput(str(fake_llama_server), Path("/m.gguf"), throughput_workload(2, 0, vocab_size=256),
                                 threads=1, slots=2, ctx_per_slot=100)
 

@@ -178,11 +178,14 @@ def llama_server_throughput(binary: str, model_path: Path, requests, threads: in
                 out = json.loads(resp.read())
             return min(int(out.get("tokens_predicted", 0)), n_predict or r.output_tokens)
 
-        one(requests[0], 4)  # warm-up
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-            useful = sum(pool.map(one, requests))
-        secs = time.perf_counter() - t0
+        try:
+            one(requests[0], 4)  # warm-up
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+                useful = sum(pool.map(one, requests))
+            secs = time.perf_counter() - t0
+        except (OSError, ValueError) as e:  # urllib's HTTP and connection errors are OSErrors
+            raise RuntimeError(f"a request to llama-server failed: {e}") from e
     finally:
         proc.terminate()
         try:
