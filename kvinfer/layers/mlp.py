@@ -17,7 +17,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)  # [tokens, 2 * inter]
-        act = kernels.silu_mul(gu, self.inter) if gu.dim() == 2 else None  # one pass in C for float32 CPU
+        act = kernels.silu_mul(gu, self.inter)  # one pass in C for float32 CPU [tokens, 2 * inter]; else None
         if act is None:
             gate, up = gu.split(self.inter, dim=-1)
             act = F.silu(gate) * up

@@ -42,26 +42,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self._last_positions = self._last_dtype = self._last = None
-        self._flat_positions = self._flat = None
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, dim/2] (contiguous) at positions. Every layer of a step passes the same positions
+        tensor: they are looked up once per step."""
+        if positions is not self._last_positions or dtype != self._last_dtype:
+            self._last = (self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+            self._last_positions, self._last_dtype = positions, dtype
+        return self._last
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [tokens, heads, dim], k: [tokens, kv_heads, dim]
-        if positions is not self._last_positions or q.dtype != self._last_dtype:
-            # Every layer of a step passes the same positions tensor: look the tables up once per step.
-            cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, dim/2]
-            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-            self._last_positions, self._last_dtype, self._last = positions, q.dtype, (cos, sin)
-        cos, sin = self._last
+        cos, sin = (t.unsqueeze(1) for t in self._tables(positions, q.dtype))  # [tokens, 1, dim/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """forward(), except that q and k may be overwritten: float32 CPU tensors are rotated in place by the C
         kernel, in one pass instead of torch's six."""
         if q.dtype == torch.float32 and q.device.type == "cpu" and kernels.available():
-            if positions is not self._flat_positions:
-                self._flat_positions = positions
-                self._flat = (self.cos[positions].contiguous(), self.sin[positions].contiguous())
-            if kernels.rope_pair_(q, k, *self._flat):
+            if kernels.rope_pair_(q, k, *self._tables(positions, q.dtype)):
                 return q, k
         return self(positions, q, k)
 
