@@ -80,14 +80,14 @@ class Sampler:
                 tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
         lps: list = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if want:
-            logp = torch.log_softmax(raw[want], dim=-1)
-            for j, i in enumerate(want):
-                k = rows[i].params.logprobs
-                chosen = float(logp[j, tokens[i]])
-                top = []
-                if k:
-                    v, ix = logp[j].topk(k)
-                    top = list(zip(ix.tolist(), v.tolist()))
-                lps[i] = (chosen, top)
+        for i in want:
+            # One row at a time: a softmax over [rows, vocab] may reduce differently with the row count.
+            logp = torch.log_softmax(raw[i], dim=-1)
+            k = rows[i].params.logprobs
+            chosen = float(logp[tokens[i]])
+            top = []
+            if k:
+                v, ix = logp.topk(k)
+                top = list(zip(ix.tolist(), v.tolist()))
+            lps[i] = (chosen, top)
         return SampleResult(tokens, lps)

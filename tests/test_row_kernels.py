@@ -1,4 +1,4 @@
-"""The eager path's C row kernels (SwiGLU over fused gate-up rows, in-place RoPE) against torch."""
+"""The eager path's C row kernels (SwiGLU, RoPE, RMSNorm, LayerNorm, GELU) against torch, on every ISA level."""
 from __future__ import annotations
 
 import pytest
@@ -59,3 +59,28 @@ def test_rope_falls_back_without_touching_inputs():
     assert torch.equal(q, q0) and torch.equal(k, k0)  # neither rotated in place
     torch.testing.assert_close(got_q, want_q)
     torch.testing.assert_close(got_k, want_k)
+
+
+def _levels():
+    return [kernels.library(lv) for lv in kernels.LEVELS
+            if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+
+
+@pytest.mark.parametrize("n", [576, 37])  # 37: the sequential tail of every reduction
+def test_norms_and_gelu_match_torch_on_every_level_with_the_same_bits(n):
+    x = torch.randn(9, n) * 3
+    w, b = torch.randn(n), torch.randn(n)
+    for lib in _levels():
+        got = {"rms": lib.rms_norm(x, w, 1e-5), "ln": lib.layer_norm(x, w, b, 1e-5),
+               "gelu": lib.gelu(x), "gelu_tanh": lib.gelu(x, "tanh")}
+        torch.testing.assert_close(got["rms"], F.rms_norm(x, (n,), w, 1e-5), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["ln"], F.layer_norm(x, (n,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["gelu"], F.gelu(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["gelu_tanh"], F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
+        if lib.level == "generic":
+            ref = got
+        else:
+            assert all(torch.equal(got[key], ref[key]) for key in got), lib.level
+        # a row alone gives the same bits as in the batch
+        assert torch.equal(lib.rms_norm(x[4:5].clone(), w, 1e-5)[0], got["rms"][4])
+        assert torch.equal(lib.gelu(x[4:5].clone())[0], got["gelu"][4])

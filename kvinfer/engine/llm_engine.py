@@ -90,7 +90,7 @@ class LLMEngine:
                                             mc.head_dim, dtype, device)
         else:
             self.kv_manager = NullManager()
-            self.kv_cache = NoCache(mc.num_layers, device)
+            self.kv_cache = NoCache(mc.num_layers, device, dtype)
         if mc.position == "alibi":
             self.kv_cache.alibi = self.loaded.model.alibi
         self.kv_cache.sliding_window = mc.sliding_window

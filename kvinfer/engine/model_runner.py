@@ -63,7 +63,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         fused = None
-        if len(md.groups) == 1 and md.groups[0].decode_tables is not None:  # every sequence decodes one token
+        if md.kernel is not None and md.kernel.decode_only:  # every sequence decodes one token
             fused = self._fused_decode()
         if fused is not None:
             hidden = fused(input_ids, positions, md)

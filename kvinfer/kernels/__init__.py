@@ -1,57 +1,60 @@
-"""CPU kernels compiled with gcc on first use: quantised matmul (GGML Q4_0/Q4_1/Q8_0 weights, float32
-activations) and decode attention read in place from the paged KV cache."""
+"""CPU kernels in C, built per ISA level with gcc on first use and chosen once at start-up: matmuls over GGML
+quantised or float weights, attention over the KV cache read in place, the decoder's row operations and a fused
+decode step. Every level computes the same bits (see simd.h)."""
 from __future__ import annotations
 
-# The library is cached in $KVINFER_CACHE/kernels/<hash>/ ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or
-# $XDG_CACHE_HOME/kvinfer), keyed by the source, compiler and flags, so an edit of qgemv.c rebuilds it.
-# $CC picks the compiler (default gcc); KVINFER_KERNELS=0 turns the kernels off.
+# Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
+# best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid
+# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; KVINFER_KERNELS=0 turns the kernels off (the
+# eager PyTorch path, which is not batch-invariant). Libraries are cached in $KVINFER_CACHE/kernels/<hash>/
+# ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler
+# and flags. $CC picks the compiler (default gcc).
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import shutil
-import struct
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
 
-# Imported before the library is loaded: torch brings its own libgomp.so.1, and our -fopenmp library then
-# binds to that same runtime (same soname) instead of loading a second one, so both share one thread pool
-# rather than two pools competing for the cores.
+# Imported before a library is loaded: torch brings its own libgomp.so.1, and our -fopenmp library then binds to
+# that same runtime (same soname) instead of loading a second one, so both share one thread pool.
 import torch
 
-__all__ = ["QTYPES", "INT16_MAX_ROWS", "set_int16_max_rows", "available", "unavailable_reason", "qgemv", "PreparedMatmul", "paged_decode_attention", "decode_step",
-           "silu_mul", "rope_pair_",
-           "library_path", "build", "load"]
+__all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
+           "batch_invariant", "matmul", "PreparedMatmul", "attention", "rms_norm", "layer_norm", "silu_mul", "gelu", "rope_pair_",
+           "decode_step", "DecodeLayer", "DecodeJob", "library_path", "build", "load", "describe"]
 
-SOURCE = Path(__file__).with_name("qgemv.c")
-SOURCES = [SOURCE, Path(__file__).with_name("paged_attn.c"), Path(__file__).with_name("decode_step.c")]  # one library
-HEADERS = [Path(__file__).with_name("kernels.h")]
-_LIBNAME = "libkvqgemv.so"
-# Module attributes rather than constants so tests (and odd systems) can point them elsewhere.
+log = logging.getLogger("kvinfer.kernels")
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / n for n in ("qmatmul.c", "attn.c", "rowops.c", "decode_step.c")]
+HEADERS = [HERE / "kernels.h", HERE / "simd.h"]
+DISPATCH_SOURCE = HERE / "dispatch.c"
 CC = os.environ.get("CC") or "gcc"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+LEVELS = ("generic", "avx2", "avx512")
+_COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+LEVEL_FLAGS = {
+    "generic": _COMMON + ["-DKVQ_LEVEL=0"],
+    "avx2": _COMMON + _AVX2 + ["-DKVQ_LEVEL=1"],
+    # 256-bit vectors on purpose: a reduction's lane count is part of its result (and wide vectors cost clock).
+    "avx512": _COMMON + _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                                 "-mprefer-vector-width=256", "-DKVQ_LEVEL=2"],
+}
 
-# GGML type ids, as the C side takes them.
+# GGML type ids, as the C side takes them: quantised (32-element blocks) and float rows.
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-IMPLS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_i16": 3}
-# "auto" takes the int16-activation route for up to this many rows of x (decode steps) and the float32 route
-# for more (prefill). KVINFER_INT16=0 makes it 0: float32 activations everywhere, for A/B runs.
-INT16_MAX_ROWS = 0 if os.environ.get("KVINFER_INT16", "1").strip().lower() in ("0", "false", "no", "off") else 7
-_ERRORS = {-1: "unsupported quant type", -2: "bad shape", -3: "implementation not available on this CPU/build",
-           -4: "out of memory", -5: "weight rows too short for K"}
-
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_fn = None  # the prepared kvq_matmul
-_path: Optional[Path] = None
-_reason: Optional[str] = None
-_tried = False
+_ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
+           -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
 
 
 def _cache_root() -> Path:
@@ -62,51 +65,32 @@ def _cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvinfer"
 
 
-def _digest(cc: str, flags: list[str]) -> str:
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
-    h.update("\0".join([cc, *flags, platform.machine()]).encode())
-    return h.hexdigest()[:16]
+def _off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _cpu_has_avx2() -> tuple[bool, str]:
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return False, f"CPU architecture {platform.machine()} is not x86"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    missing = [x for x in ("avx2", "fma", "f16c") if x not in have]
-                    if missing:
-                        return False, f"CPU lacks {', '.join(missing)}"
-                    return True, ""
-    except OSError:
-        pass
-    # No /proc: trust torch's own dispatch probe.
-    cap = str(torch.backends.cpu.get_cpu_capability()).upper()
-    return ("AVX2" in cap or "AVX512" in cap), f"torch reports CPU capability {cap}"
+def build(cc: Optional[str] = None, flags: Optional[list[str]] = None, cache_dir: Optional[Path] = None,
+          sources: Optional[list[Path]] = None, name: str = "libkvinfer.so") -> Path:
+    """Compile a library (unless already cached) and return its path; raises RuntimeError on failure.
 
-
-def build(cc: Optional[str] = None, flags: Optional[list[str]] = None, cache_dir: Optional[Path] = None) -> Path:
-    """Compile the kernel library (unless already cached) and return its path; raises RuntimeError on failure.
-
-    The .so goes to cache_dir, by default <cache>/kernels/<hash of source, compiler and flags>/ (under the
-    system temp dir when the cache cannot be created). It is compiled to a temporary name in that directory
-    and renamed into place, so concurrent processes never load a half-written file; a finished file is
-    reused without needing a compiler.
+    Defaults: the kernel sources with the avx2 level's flags. The .so goes to cache_dir, by default
+    <cache>/kernels/<hash of sources, compiler and flags>/ (under the system temp dir when the cache cannot be
+    created). It is compiled to a temporary name and renamed into place, so concurrent processes never load a
+    half-written file; a finished file is reused without needing a compiler.
     """
     cc = cc or CC
-    flags = list(CFLAGS if flags is None else flags)
-    if cache_dir is not None:
-        out_dir = Path(cache_dir)
-    else:
-        out_dir = _cache_root() / "kernels" / _digest(cc, flags)
-        user = os.getuid() if hasattr(os, "getuid") else "user"
-        spare = Path(tempfile.gettempdir()) / f"kvinfer-{user}" / "kernels" / out_dir.name
-        if not (out_dir / _LIBNAME).exists() and (spare / _LIBNAME).exists():
-            out_dir = spare
-    target = out_dir / _LIBNAME
-    if target.exists():  # a cached build needs no compiler
+    flags = list(LEVEL_FLAGS["avx2"] if flags is None else flags)
+    sources = list(SOURCES if sources is None else sources)
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in sources + HEADERS))
+    h.update("\0".join([cc, *flags, platform.machine()]).encode())
+    digest = h.hexdigest()[:16]
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    spare = Path(tempfile.gettempdir()) / f"kvinfer-{user}" / "kernels" / digest
+    out_dir = Path(cache_dir) if cache_dir is not None else _cache_root() / "kernels" / digest
+    if cache_dir is None and not (out_dir / name).exists() and (spare / name).exists():
+        out_dir = spare
+    target = out_dir / name
+    if target.exists():
         return target
     argv = shlex.split(cc)  # CC may carry a wrapper or options ("ccache gcc")
     exe = shutil.which(argv[0]) if argv else None
@@ -117,15 +101,14 @@ def build(cc: Optional[str] = None, flags: Optional[list[str]] = None, cache_dir
     except OSError:
         if cache_dir is not None:
             raise
-        out_dir = spare  # an unwritable home should not cost us the kernels
-        target = out_dir / _LIBNAME
+        out_dir, target = spare, spare / name  # an unwritable home should not cost us the kernels
         out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".libkvqgemv.", suffix=".so.tmp", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
         try:
-            proc = subprocess.run([exe, *argv[1:], *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
+            proc = subprocess.run([exe, *argv[1:], *flags, "-o", tmp, *map(str, sources), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise RuntimeError(f"{cc} could not run: {e}") from e
         if proc.returncode != 0:
@@ -137,289 +120,418 @@ def build(cc: Optional[str] = None, flags: Optional[list[str]] = None, cache_dir
     return target
 
 
-_ARGS = ctypes.c_int64 * 12  # kvq_matmul_packed's argument block
+# ---- the C structs, mirrored -------------------------------------------------------------------------------
+_i64, _f32, _i32, _vp = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
 
 
-def _declare(lib: ctypes.CDLL):
-    fn = lib.kvq_matmul_packed
-    fn.argtypes = [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    # x, M, K, ldx, w, N, ldw, qtype, y, ldy, nthreads, impl
-    lib.kvq_matmul.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, c_int, c_int]
-    lib.kvq_matmul.restype = c_int
-    for name in ("kvq_paged_decode_packed", "kvq_decode_step_packed"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-        getattr(lib, name).restype = ctypes.c_int
-    lib.kvq_set_i16_max_rows.argtypes = [i64]
-    lib.kvq_set_i16_max_rows.restype = i64
-    lib.kvq_silu_mul_rows.argtypes = [vp, i64, i64, i64, vp, c_int]
-    lib.kvq_silu_mul_rows.restype = None
-    lib.kvq_rope_rows.argtypes = [vp, i64, i64, i64, i64, vp, vp, c_int]
-    lib.kvq_rope_rows.restype = None
-    for name in ("kvq_built_with_avx2", "kvq_cpu_has_avx2", "kvq_max_threads"):
-        getattr(lib, name).argtypes = []
-        getattr(lib, name).restype = c_int
-    return fn
+class AttnJob(ctypes.Structure):
+    _fields_ = [(n, _vp) for n in ("q", "out", "k", "v", "tables", "tok_seq", "tok_pos", "slopes")] + \
+               [(n, _i64) for n in ("T", "H", "KVH", "D", "BS", "NB", "table_stride", "q_stride", "out_stride",
+                                    "block_stride", "tok_stride", "head_stride", "window")] + \
+               [("scale", _f32), ("nthreads", _i32)]
 
 
-def load(cc: Optional[str] = None, flags: Optional[list[str]] = None) -> ctypes.CDLL:
-    """Build (if needed) and load a variant of the library; for tests of other flag sets. Raises on failure."""
-    lib = ctypes.CDLL(str(build(cc, flags)))
-    _declare(lib)
+class DecodeLayer(ctypes.Structure):
+    _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")] + \
+               [(n, _i64) for n in ("qkv_ldw", "o_ldw", "gate_up_ldw", "down_ldw")] + \
+               [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
+               [("kpool", _vp), ("vpool", _vp)]
+
+
+class DecodeJob(ctypes.Structure):
+    _fields_ = [(n, _vp) for n in ("x", "layers", "cos", "sin", "slots", "tables", "lens")] + \
+               [(n, _i64) for n in ("B", "hidden", "H", "KVH", "D", "inter", "L", "T", "BS", "NB", "window")] + \
+               [("eps", _f32), ("scale", _f32), ("nthreads", _i32)]
+
+
+_MATMUL_ARGS = ctypes.c_int64 * 12
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, c_int, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    sig = {
+        "kvq_matmul": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
+        "kvq_matmul_packed": ([vp], c_int),
+        "kvq_attention": ([vp], c_int),
+        "kvq_decode_step": ([vp], c_int),
+        "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
+        "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
+        "kvq_silu_mul_rows": ([vp, i64, i64, i64, vp, c_int], None),
+        "kvq_gelu": ([vp, vp, i64, c_int, c_int], None),
+        "kvq_rope_rows": ([vp, i64, i64, i64, i64, vp, vp, c_int], None),
+        "kvq_level": ([], c_int),
+        "kvq_max_threads": ([], c_int),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+
+
+def _nt(n: Optional[int]) -> int:
+    return torch.get_num_threads() if n is None else int(n)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"{what} failed: {_ERRORS.get(rc, rc)}")
+
+
+def _cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim:
+        raise ValueError(f"{name} must be a float32 CPU tensor with {dim} dims, got {t.dtype} {tuple(t.shape)} "
+                         f"on {t.device}")
+
+
+class Kernels:
+    """One level's library. The module-level functions call the active one; tests load others to compare."""
+
+    def __init__(self, level_name: str, path: Path):
+        self.level = level_name
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        _declare(self.lib)
+        if self.lib.kvq_level() != LEVELS.index(level_name):
+            raise RuntimeError(f"{path} is not a {level_name} build")
+
+    # -- matmul ---------------------------------------------------------------------------------------------
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> torch.Tensor:
+        """y[M, N] = x[M, K] @ W^T (+ bias). W: raw GGML rows (uint8 [N, row_bytes], qtype Q4_0/Q4_1/Q8_0) or a
+        float32/float16/bfloat16 [N, K] tensor (qtype ignored). x float32 [M, K] with contiguous rows."""
+        _cpu_f32("x", x, 2)
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError("x rows must be contiguous")
+        if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):
+            raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
+        M, K = x.shape
+        N = w.shape[0]
+        if w.dtype == torch.uint8:
+            qt = QTYPES.get(qtype)
+            if qt is None:
+                raise ValueError(f"quantised matmul supports {', '.join(QTYPES)}, not {qtype}")
+            if K % 32 or w.shape[1] < K // 32 * _BLOCK_BYTES[qtype]:
+                raise ValueError(f"K={K} must be a multiple of 32 and fit in {w.shape[1]}-byte {qtype} rows")
+            ldw = w.stride(0) if N > 1 else w.shape[1]
+        elif w.dtype in FLOAT_TYPES:
+            qt = FLOAT_TYPES[w.dtype]
+            if w.shape[1] != K:
+                raise ValueError(f"w has {w.shape[1]} columns, x has {K}")
+            ldw = (w.stride(0) if N > 1 else K) * w.element_size()
+        else:
+            raise ValueError(f"w must be uint8 GGML rows or float32/float16/bfloat16, not {w.dtype}")
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).contiguous()
+            if tuple(bias.shape) != (N,):
+                raise ValueError(f"bias must have shape ({N},)")
+        if out is None:
+            out = torch.empty((M, N), dtype=torch.float32)
+        elif (out.dtype != torch.float32 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1)
+              or out.device.type != "cpu"):
+            raise ValueError(f"out must be a float32 CPU tensor of shape {(M, N)} with unit column stride")
+        rc = self.lib.kvq_matmul(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N, ldw, qt,
+                                 bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                 out.stride(0) if M > 1 else N, _nt(num_threads))
+        _check(rc, "matmul")
+        return out
+
+    # -- attention ------------------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                  tok_seq: torch.Tensor, tok_pos: torch.Tensor, *, num_kv_heads: int, block_size: int,
+                  num_blocks: int, strides: tuple[int, int, int], scale: float, out: Optional[torch.Tensor] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                  num_threads: Optional[int] = None) -> torch.Tensor:
+        """Query tokens q [T, H, D] (rows may be strided) attend to positions [first, tok_pos[t]] of sequence
+        tok_seq[t], whose keys / values sit in k / v at table[p // block_size] * strides[0] + (p % block_size) *
+        strides[1] + kv_head * strides[2] (in floats). tables int64 [S, blocks]. Returns out [T, H, D]."""
+        T, H, D = q.shape
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
+            raise ValueError(f"q must be float32 [T, H, D] with contiguous heads, got {q.dtype} {tuple(q.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a float32 CPU tensor")
+        for name, t in (("tables", tables), ("tok_seq", tok_seq), ("tok_pos", tok_pos)):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int64 tensor")
+        if tables.dim() != 2 or tuple(tok_seq.shape) != (T,) or tuple(tok_pos.shape) != (T,):
+            raise ValueError("tables must be [S, blocks] and tok_seq / tok_pos [T]")
+        if T and int(tok_seq.max()) >= tables.shape[0]:
+            raise ValueError("tok_seq names a sequence outside tables")
+        kvh = num_kv_heads
+        if kvh <= 0 or H % kvh:
+            raise ValueError(f"{H} query heads cannot share {kvh} kv heads")
+        if out is None:
+            out = torch.empty((T, H, D), dtype=torch.float32)
+        slopes = None
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
+            slopes = alibi_slopes.data_ptr()
+        job = AttnJob(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
+                      tok_seq.data_ptr(), tok_pos.data_ptr(), slopes, T, H, kvh, D, block_size, num_blocks,
+                      tables.shape[1], q.stride(0) if T > 1 else H * D, out.stride(0) if T > 1 else H * D,
+                      strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads))
+        _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
+        return out
+
+    # -- row operations -------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a float32 [..., n] tensor (rows contiguous)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape, dtype=torch.float32)
+        self.lib.kvq_rms_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), weight.data_ptr(), y.data_ptr(),
+                              x2.shape[1], x2.shape[1], eps, torch.get_num_threads())
+        return y.view(x.shape)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape, dtype=torch.float32)
+        self.lib.kvq_layer_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), weight.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, y.data_ptr(), x2.shape[1],
+                                x2.shape[1], eps, torch.get_num_threads())
+        return y.view(x.shape)
+
+    def silu_mul(self, gu: torch.Tensor, inter: int) -> Optional[torch.Tensor]:
+        """silu(gu[:, :inter]) * gu[:, inter:] for float32 CPU [tokens, 2 * inter] with contiguous rows; None when
+        the tensor does not fit (the caller falls back)."""
+        if (gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.shape[1] != 2 * inter
+                or gu.stride(1) != 1):
+            return None
+        out = torch.empty((gu.shape[0], inter), dtype=torch.float32)
+        self.lib.kvq_silu_mul_rows(gu.data_ptr(), gu.shape[0], inter, gu.stride(0), out.data_ptr(),
+                                   torch.get_num_threads())
+        return out
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        xc = x.contiguous()
+        y = torch.empty_like(xc)
+        self.lib.kvq_gelu(xc.data_ptr(), y.data_ptr(), xc.numel(), int(approximate == "tanh"),
+                          torch.get_num_threads())
+        return y
+
+    def rope_pair_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate-half RoPE in place on q [tokens, heads, dim] and k [tokens, kv_heads, dim] (float32 CPU, heads
+        contiguous within a row) with cos / sin float32 contiguous [tokens, dim / 2]; False (touching neither)
+        when a layout does not fit."""
+        def fits(x):
+            return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                    and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0
+                    and tuple(cos.shape) == (x.shape[0], x.shape[2] // 2))
+
+        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous() or sin.shape != cos.shape or not fits(q) or not fits(k)):
+            return False
+        nt = torch.get_num_threads()
+        for x in (q, k):
+            self.lib.kvq_rope_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(),
+                                   sin.data_ptr(), nt)
+        return True
+
+    def decode_step(self, job: DecodeJob) -> None:
+        _check(self.lib.kvq_decode_step(ctypes.byref(job)), "fused decode step")
+
+
+# ---- the active level ----------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_active: Optional[Kernels] = None
+_reason: Optional[str] = None
+_tried = False
+_features: Optional[int] = None
+_loaded: dict[str, Kernels] = {}
+
+
+def cpu_features() -> dict:
+    """What the CPU and OS allow: {'avx2', 'avx512', 'amx_listed', 'amx_granted'} (all False off x86-64 or when
+    the probe cannot be built)."""
+    global _features
+    if _features is None:
+        bits = 0
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            try:
+                lib = ctypes.CDLL(str(build(flags=["-O2", "-shared", "-fPIC"], sources=[DISPATCH_SOURCE],
+                                            name="libkvdispatch.so")))
+                lib.kvq_cpu_features.restype = ctypes.c_int
+                bits = lib.kvq_cpu_features()
+            except (OSError, RuntimeError) as e:
+                log.warning("CPU probe unavailable (%s): portable kernels only", e)
+        _features = bits
+    b = _features
+    return {"avx2": bool(b & 1), "avx512": bool(b & 2), "amx_listed": bool(b & 4), "amx_granted": bool(b & 8)}
+
+
+def best_level() -> str:
+    f = cpu_features()
+    return "avx512" if f["avx512"] else "avx2" if f["avx2"] else "generic"
+
+
+def library(level_name: str) -> Kernels:
+    """The library of one level (built on first use). Raises RuntimeError when this CPU cannot run it or it
+    cannot be built."""
+    if level_name not in LEVELS:
+        raise ValueError(f"ISA level must be one of {', '.join(LEVELS)}, not {level_name!r}")
+    if LEVELS.index(level_name) > LEVELS.index(best_level()):
+        raise RuntimeError(f"this CPU (or its OS) cannot run the {level_name} level (best: {best_level()})")
+    lib = _loaded.get(level_name)
+    if lib is None:
+        lib = _loaded[level_name] = Kernels(level_name, build(flags=LEVEL_FLAGS[level_name]))
     return lib
 
 
 def _init() -> None:
-    global _lib, _fn, _path, _reason, _tried
+    global _active, _reason, _tried
     with _lock:
         if _tried:
             return
         _tried = True
         try:
-            if os.environ.get("KVINFER_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-                raise RuntimeError("disabled by KVINFER_KERNELS")  # for A/B runs against the float32 path
-            ok, why = _cpu_has_avx2()
-            if not ok:
-                # The library's scalar route would be slower than torch's float32 GEMM: not worth offering.
-                raise RuntimeError(why)
-            path = build()
-            lib = ctypes.CDLL(str(path))
-            fn = _declare(lib)
-            if not lib.kvq_built_with_avx2() or not lib.kvq_cpu_has_avx2():
-                raise RuntimeError("library built without AVX2, or the CPU cannot run it")
-            lib.kvq_set_i16_max_rows(INT16_MAX_ROWS)
-            _lib, _fn, _path = lib, fn, path
+            if _off("KVINFER_KERNELS"):
+                raise RuntimeError("disabled by KVINFER_KERNELS")
+            want = best_level()
+            forced = os.environ.get("KVINFER_ISA", "").strip().lower()
+            if forced:
+                if forced not in LEVELS:
+                    raise RuntimeError(f"KVINFER_ISA must be one of {', '.join(LEVELS)}, not {forced!r}")
+                if LEVELS.index(forced) > LEVELS.index(want):
+                    log.warning("KVINFER_ISA=%s is above what this CPU allows; using %s", forced, want)
+                else:
+                    want = forced
+            _active = library(want)
         except Exception as e:  # never raise at import or from available(): report instead
-            _reason = f"quantised kernels unavailable: {e}"
+            _reason = f"CPU kernels unavailable: {e}"
 
 
-def set_int16_max_rows(rows: int) -> int:
-    """Make "auto" take the int16 route for up to `rows` rows of x (0: never); returns the previous setting.
-    Process-wide; not to be called while kernels run on other threads."""
-    global INT16_MAX_ROWS
-    if not available():
-        raise RuntimeError(unavailable_reason())
-    old, INT16_MAX_ROWS = INT16_MAX_ROWS, max(0, int(rows))
-    _lib.kvq_set_i16_max_rows(INT16_MAX_ROWS)
-    return old
+def batch_invariant() -> bool:
+    """Whether every route keeps a row's result independent of how it is served (default; KVINFER_BATCH_INVARIANT=0
+    lets prefill-sized steps take BLAS GEMMs and SDPA instead, which are faster on long prompts)."""
+    return not _off("KVINFER_BATCH_INVARIANT")
 
 
 def available() -> bool:
-    """True when the compiled kernels can be used (compiles them on the first call)."""
+    """True when a kernel library is loaded (builds it on the first call)."""
     if not _tried:
         _init()
-    return _fn is not None
+    return _active is not None
 
 
 def unavailable_reason() -> Optional[str]:
-    """Why available() is False (None when it is True)."""
     _init()
     return _reason
 
 
+def active() -> Kernels:
+    if not available():
+        raise RuntimeError(_reason)
+    return _active
+
+
+def level() -> Optional[str]:
+    """The ISA level in use, or None when the kernels are off."""
+    return _active.level if available() else None
+
+
 def library_path() -> Optional[Path]:
-    """The loaded .so (None when unavailable)."""
-    _init()
-    return _path
+    return _active.path if available() else None
+
+
+def describe() -> str:
+    """One line for logs and `kvinfer models`: the level in use and what the CPU offers."""
+    f = cpu_features()
+    cpu = ", ".join(k for k in ("avx2", "avx512") if f[k]) or "no AVX2"
+    amx = "AMX granted" if f["amx_granted"] else "AMX listed but not granted by the OS" if f["amx_listed"] else "no AMX"
+    if not available():
+        return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
+    return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks "
+            f"(float weights: fp32 FMA), attention: in-place paged, fixed {256}-position pieces")
+
+
+def load(flags: Optional[list[str]] = None, cc: Optional[str] = None) -> ctypes.CDLL:
+    """Build (if needed) and load a variant of the kernel library with other flags (tests)."""
+    lib = ctypes.CDLL(str(build(cc, flags)))
+    _declare(lib)
+    return lib
 
 
 def _reset() -> None:
-    """Forget the loaded library so the next call builds again (tests use it after changing CC)."""
-    global _lib, _fn, _path, _reason, _tried
+    """Forget the loaded state so the next call builds and probes again (tests)."""
+    global _active, _reason, _tried, _features
     with _lock:
-        _lib = _fn = _path = _reason = None
+        _active = _reason = None
         _tried = False
+        _features = None
+        _loaded.clear()
 
 
-_tls = threading.local()
+# ---- module-level calls go to the active level ---------------------------------------------------------------
+def matmul(x, w, qtype="F32", bias=None, out=None, num_threads=None):
+    return active().matmul(x, w, qtype, bias, out, num_threads)
 
 
-def _args() -> tuple:
-    """This thread's argument block and its address (one per thread, so concurrent callers never share)."""
-    a = getattr(_tls, "a", None)
-    if a is None:
-        buf = _ARGS()
-        a = _tls.a = (buf, ctypes.addressof(buf))
-    return a
+def attention(*args, **kwargs):
+    return active().attention(*args, **kwargs)
+
+
+def rms_norm(x, weight, eps):
+    return active().rms_norm(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return active().layer_norm(x, weight, bias, eps)
+
+
+def silu_mul(gu, inter):
+    return active().silu_mul(gu, inter) if available() else None
+
+
+def gelu(x, approximate="none"):
+    return active().gelu(x, approximate)
+
+
+def rope_pair_(q, k, cos, sin) -> bool:
+    return available() and active().rope_pair_(q, k, cos, sin)
+
+
+def decode_step(job: DecodeJob) -> None:
+    active().decode_step(job)
 
 
 class PreparedMatmul:
-    """kvq_matmul for one weight shape with the constant arguments packed once (QuantLinear's fast path).
+    """kvq_matmul for one weight with the constant arguments packed once (the per-call hot path of linears).
 
-    run() takes raw pointers and trusts them: x float32 [m, k] and y float32 [m, n] contiguous, w the uint8
-    [n, row_bytes] rows. Each calling thread gets its own argument block, so concurrent calls are safe.
-    Create it only when available() is True.
+    run() takes raw pointers and trusts them: x float32 [m, k] and y float32 [m, n] contiguous. Each calling
+    thread gets its own argument block. Create it only when available() is True.
     """
 
-    __slots__ = ("_args", "_template", "_blocks")
+    __slots__ = ("_fn", "_template", "_blocks", "_args")
 
-    def __init__(self, n: int, k: int, row_bytes: int, qtype: str):
-        if _fn is None:
-            raise RuntimeError(unavailable_reason())
-        self._args = (n, k, row_bytes, qtype)
-        qt = QTYPES[qtype]
-        if k % 32 or row_bytes < k // 32 * _BLOCK_BYTES[qtype]:
-            raise ValueError(f"K={k} must be a multiple of 32 and fit in {row_bytes}-byte {qtype} rows")
-        self._template = (0, 0, k, k, 0, n, row_bytes, qt, 0, n, 1, IMPLS["auto"])
+    def __init__(self, n: int, k: int, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None):
+        lib = active()
+        if w.dtype == torch.uint8:
+            qt = QTYPES[qtype]
+            if k % 32 or w.shape[1] < k // 32 * _BLOCK_BYTES[qtype]:
+                raise ValueError(f"K={k} must be a multiple of 32 and fit in {w.shape[1]}-byte {qtype} rows")
+            ldw = w.stride(0)
+        else:
+            qt = FLOAT_TYPES[w.dtype]
+            ldw = w.stride(0) * w.element_size()
+        self._args = (n, k, w, qtype, bias)
+        self._fn = lib.lib.kvq_matmul_packed
+        self._template = (0, 0, k, k, w.data_ptr(), n, ldw, qt, bias.data_ptr() if bias is not None else 0, 0, n, 1)
         self._blocks: dict[int, tuple] = {}
 
     def __reduce__(self):
-        # Copies and pickles start with no argument blocks: a copied block address would point into the
-        # original's memory.
         return PreparedMatmul, self._args
 
-    def run(self, x_ptr: int, m: int, w_ptr: int, y_ptr: int, num_threads: int) -> None:
+    def run(self, x_ptr: int, m: int, y_ptr: int, num_threads: int) -> None:
         blk = self._blocks.get(threading.get_ident())
         if blk is None:
-            buf = _ARGS(*self._template)
+            buf = _MATMUL_ARGS(*self._template)
             blk = self._blocks[threading.get_ident()] = (buf, ctypes.addressof(buf))
         buf, addr = blk
         buf[0] = x_ptr
         buf[1] = m
-        buf[4] = w_ptr
-        buf[8] = y_ptr
-        buf[10] = num_threads
-        rc = _fn(addr)
-        if rc:
-            raise RuntimeError(f"kvq_matmul failed: {_ERRORS.get(rc, rc)}")
-
-
-def qgemv(x: torch.Tensor, w_raw: torch.Tensor, qtype: str, out: Optional[torch.Tensor] = None,
-          num_threads: Optional[int] = None, impl: str = "auto") -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W^T for W given as raw GGML rows w_raw (uint8 [N, row_bytes]) of type qtype.
-
-    x: float32 [M, K] with unit stride along K (rows may be strided); out, if given: float32 [M, N] with unit
-    column stride. num_threads defaults to torch.get_num_threads(), so torch.set_num_threads governs both.
-    impl: "auto" ("avx2_i16" for up to INT16_MAX_ROWS rows, else "avx2"), "scalar", "avx2" (float32 x: equal to
-    x @ dequantize(W)^T up to summation order) or "avx2_i16" (x rounded per 32-block to 16 bits, integer dot
-    products: 1.6-1.8x faster at one row, error ~5e-5 of max|y|).
-    Raises RuntimeError when the kernels are unavailable (check available() first), ValueError on bad input.
-    """
-    if _fn is None:
-        _init()
-        if _fn is None:
-            raise RuntimeError(_reason)
-    qt = QTYPES.get(qtype)
-    if qt is None:
-        raise ValueError(f"qgemv supports {', '.join(QTYPES)}, not {qtype}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, not {impl!r}")
-    if x.dtype != torch.float32 or x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"x must be a float32 [M, K] tensor with contiguous rows, got {x.dtype} {tuple(x.shape)}")
-    if w_raw.dtype != torch.uint8 or w_raw.dim() != 2 or w_raw.stride(1) != 1:
-        raise ValueError("w_raw must be a uint8 [N, row_bytes] tensor with contiguous rows")
-    if x.device.type != "cpu" or w_raw.device.type != "cpu":
-        raise ValueError("qgemv runs on CPU tensors only")
-    M, K = x.shape
-    N, row_bytes = w_raw.shape
-    if K % 32 or row_bytes < K // 32 * _BLOCK_BYTES[qtype]:
-        raise ValueError(f"K={K} must be a multiple of 32 and fit in {row_bytes}-byte {qtype} rows")
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float32)
-    elif (out.dtype != torch.float32 or tuple(out.shape) != (M, N) or (out.stride(1) != 1 and N > 1)
-          or out.device.type != "cpu"):
-        raise ValueError(f"out must be a float32 CPU tensor of shape {(M, N)} with unit column stride")
-    buf, addr = _args()
-    # A size-1 dim's stride is arbitrary; the C side checks ld >= row length, so give it the row length.
-    buf[:] = (x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w_raw.data_ptr(), N,
-              w_raw.stride(0) if N > 1 else row_bytes, qt, out.data_ptr(), out.stride(0) if M > 1 else N,
-              torch.get_num_threads() if num_threads is None else num_threads, IMPLS[impl])
-    rc = _fn(addr)
-    if rc:
-        raise RuntimeError(f"kvq_matmul failed: {_ERRORS.get(rc, rc)}")
-    return out
-
-
-_PA_ERRORS = {-2: "bad shape or sequence length", -4: "out of memory", -6: "block id outside the pool"}
-_DS_ERRORS = {**_ERRORS, -6: "block id or slot outside the pool", -2: "bad shape or sequence length"}
-_PA_ARGS = ctypes.c_int64 * 17
-
-
-def _f32_bits(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                           lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
-                           alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                           num_threads: Optional[int] = None) -> torch.Tensor:
-    """One query token per sequence attending to its whole paged cache, read in place (no gather).
-
-    q float32 [B, H, D]; k_pool / v_pool float32 [num_blocks, block_size, kv_heads, D]; tables int64 [B, T]
-    block ids; lens int64 [B] cached tokens per sequence (this step's included, >= 1); alibi_slopes float32
-    [H] or None; sliding_window: attend only to the last that many positions. Returns float32 [B, H, D].
-    All tensors must be contiguous CPU tensors; raises ValueError on bad input, RuntimeError when the kernels
-    are unavailable.
-    """
-    if _fn is None:
-        _init()
-        if _fn is None:
-            raise RuntimeError(_reason)
-    B, H, D = q.shape
-    NB, BS, KVH, D2 = k_pool.shape
-    for name, t, dt in (("q", q, torch.float32), ("k_pool", k_pool, torch.float32), ("v_pool", v_pool, torch.float32),
-                        ("tables", tables, torch.int64), ("lens", lens, torch.int64)):
-        if t.dtype != dt or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous {dt} CPU tensor, got {t.dtype} {tuple(t.shape)}")
-    if v_pool.shape != k_pool.shape or D2 != D or H % KVH or tables.dim() != 2 or tables.shape[0] != B \
-            or tuple(lens.shape) != (B,):
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, pools {tuple(k_pool.shape)}, "
-                         f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
-    slopes = 0
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
-        if tuple(alibi_slopes.shape) != (H,):
-            raise ValueError(f"alibi_slopes must have shape ({H},)")
-        slopes = alibi_slopes.data_ptr()
-    args = _PA_ARGS(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                    out.data_ptr(), slopes, B, H, KVH, D, BS, tables.shape[1], NB, sliding_window or 0,
-                    _f32_bits(scale), torch.get_num_threads() if num_threads is None else num_threads)
-    rc = _lib.kvq_paged_decode_packed(ctypes.addressof(args))
-    if rc:
-        raise RuntimeError(f"paged decode attention failed: {_PA_ERRORS.get(rc, rc)}")
-    return out
-
-
-def silu_mul(gu: torch.Tensor, inter: int) -> Optional[torch.Tensor]:
-    """silu(gu[:, :inter]) * gu[:, inter:] in one pass, for a float32 CPU [tokens, 2 * inter] tensor with
-    contiguous rows; None when the kernels are unavailable or the tensor does not fit (the caller falls back)."""
-    if (gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.shape[1] != 2 * inter
-            or gu.stride(1) != 1 or not available()):
-        return None
-    out = torch.empty((gu.shape[0], inter), dtype=torch.float32)
-    _lib.kvq_silu_mul_rows(gu.data_ptr(), gu.shape[0], inter, gu.stride(0), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def _rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0 and tuple(cos.shape) == (x.shape[0], x.shape[2] // 2))
-
-
-def rope_pair_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotate-half RoPE applied in place to q [tokens, heads, dim] and k [tokens, kv_heads, dim] (float32 CPU,
-    heads contiguous within a row) with cos/sin float32 contiguous [tokens, dim / 2]. Returns False, touching
-    neither, when the kernels are unavailable or a layout does not fit (the caller falls back)."""
-    if (not available() or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
-            or not sin.is_contiguous() or sin.shape != cos.shape or not _rope_fits(q, cos) or not _rope_fits(k, cos)):
-        return False
-    nt = torch.get_num_threads()
-    for x in (q, k):
-        _lib.kvq_rope_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(),
-                           sin.data_ptr(), nt)
-    return True
-
-
-DECODE_LAYER_FIELDS = 16  # int64 columns of decode_step's layer table (see decode_step.c)
-
-
-def decode_step(args: "ctypes.Array") -> None:
-    """Run kvq_decode_step_packed on a prepared int64 argument block (kvinfer.models.fused_decode builds it)."""
-    rc = _lib.kvq_decode_step_packed(ctypes.addressof(args))
-    if rc:
-        raise RuntimeError(f"fused decode step failed: {_DS_ERRORS.get(rc, rc)}")
+        buf[9] = y_ptr
+        buf[11] = num_threads
+        _check(self._fn(addr), "matmul")

@@ -1,43 +1,68 @@
-/* Shared declarations of the kvinfer C kernels (qgemv.c, paged_attn.c, decode_step.c). */
+/* Declarations shared by the kernel sources (qmatmul.c, attn.c, rowops.c, decode_step.c). Each level's library
+ * is built from all of them with the same KVQ_LEVEL; the structs are mirrored by ctypes in __init__.py. */
 #ifndef KVINFER_KERNELS_H
 #define KVINFER_KERNELS_H
 #include <stdint.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* Sum of the 8 lanes. */
-static inline float kvq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-/* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k]; see qgemv.c. */
-int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
-               float *y, int64_t ldy, int nthreads, int impl);
-
-/* One step of decode attention over the paged cache; see paged_attn.c. */
-struct pa_job {
-    const float *q;      /* [B, q_stride]: each row starts with H * D query values */
-    const float *kpool, *vpool, *slopes;
-    const int64_t *tables, *lens;
-    float *out;          /* [B, out_stride]: H * D values per row */
-    int64_t B, H, KVH, D, BS, T, NB, window, q_stride, out_stride;
-    float scale;
+enum {
+    KVQ_OK = 0, KVQ_EBADTYPE = -1, KVQ_EBADSHAPE = -2, KVQ_ENOMEM = -4, KVQ_EROWBYTES = -5, KVQ_EBADBLOCK = -6
 };
-int kvq_paged_decode_run(const struct pa_job *j, int nthreads);
+enum { QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_BF16 = 30 };
 
-enum { KVQ_EBADBLOCK = -6 };
+/* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k] (+ bias[n]); W rows of ldw bytes of type qt. */
+int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
+               const float *bias, float *y, int64_t ldy, int nthreads);
 
-/* s[i] = exp(s[i] - mx), returning the sum; y = silu(g) * u (both vectorised; see paged_attn.c). */
-float kvq_exp_shift_sum(float *s, int64_t n, float mx);
+/* Attention of T query tokens over a KV cache addressed through block tables; see attn.c. */
+struct kvq_attn {
+    const float *q;          /* [T, q_stride]: each row starts with H * D query values */
+    float *out;              /* [T, out_stride]: H * D values per row */
+    const float *k, *v;      /* cache bases: key/value of (block b, offset o, kv head g) at
+                                b * block_stride + o * tok_stride + g * head_stride */
+    const int64_t *tables;   /* [sequences, table_stride] block ids */
+    const int64_t *tok_seq;  /* [T] the sequence (row of tables) of each query token */
+    const int64_t *tok_pos;  /* [T] its position: it attends to positions [first, pos] */
+    const float *slopes;     /* [H] ALiBi slopes, or NULL */
+    int64_t T, H, KVH, D, BS, NB, table_stride, q_stride, out_stride;
+    int64_t block_stride, tok_stride, head_stride, window;
+    float scale;
+    int32_t nthreads;
+};
+int kvq_attention(const struct kvq_attn *j);
+
+/* Row operations (rowops.c). */
+void kvq_rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps);
+void kvq_rms_norm(const float *x, int64_t rows, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t n,
+                  float eps, int nthreads);
+void kvq_layer_norm(const float *x, int64_t rows, int64_t ldx, const float *w, const float *b, float *y,
+                    int64_t ldy, int64_t n, float eps, int nthreads);
 void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n);
-
-/* Row kernels of the eager path (decode_step.c): SwiGLU over fused gate-up rows, rotate-half RoPE in place. */
 void kvq_silu_mul_rows(const float *gu, int64_t rows, int64_t inter, int64_t ld_in, float *out, int nthreads);
+void kvq_gelu(const float *x, float *y, int64_t n, int tanh_approx, int nthreads);
+void kvq_rope(float *v, int64_t nh, int64_t D, const float *cs, const float *sn);
 void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, const float *cosb, const float *sinb,
                    int nthreads);
+float kvq_exp_shift_sum(float *s, int64_t n, float mx);
+
+/* A whole decode step of a Llama-style quantised model (decode_step.c). */
+struct kvq_decode_layer {
+    const float *attn_norm, *ffn_norm;
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int64_t qkv_ldw, o_ldw, gate_up_ldw, down_ldw;
+    int32_t qkv_qt, o_qt, gate_up_qt, down_qt;
+    float *kpool, *vpool;
+};
+struct kvq_decode {
+    float *x;                                  /* [B, hidden] residual stream, updated in place */
+    const struct kvq_decode_layer *layers;     /* [L] */
+    const float *cos, *sin;                    /* [B, D / 2] */
+    const int64_t *slots, *tables, *lens;      /* [B], [B, T], [B] */
+    int64_t B, hidden, H, KVH, D, inter, L, T, BS, NB, window;
+    float eps, scale;
+    int32_t nthreads;
+};
+int kvq_decode_step(const struct kvq_decode *d);
+
+int kvq_level(void);
+int kvq_max_threads(void);
 #endif

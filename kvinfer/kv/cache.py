@@ -6,7 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvinfer.layers.attention import AttentionMetadata, AttnGroup, build_mask
+from kvinfer import kernels
+from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
 
 
 @dataclass
@@ -23,15 +24,60 @@ class SeqSlice:
         return self.start + self.num_new
 
 
+def _is_decode(s: SeqSlice) -> bool:
+    return s.num_new == 1 and s.start > 0
+
+
 class _Backend:
+    """What the three backends share: K/V accounting and the choice of the attention kernel.
+
+    On the CPU in float32 the attention kernel (kvinfer.kernels.attention) serves every token of every step,
+    reading keys and values in place: one arithmetic for a query row whether it is a prefill, a chunk, a decode
+    or a recompute. With KVINFER_BATCH_INVARIANT=0 it serves decode-only steps and prefills use SDPA (faster on
+    long prompts, but a row's bits then depend on how it is served).
+    """
+
     name = "?"
     sliding_window: Optional[int] = None
     alibi: Optional[torch.Tensor] = None
+    use_kernel = True  # tests switch it off to compare with the SDPA path
 
-    def __init__(self, num_layers: int, device):
+    def __init__(self, num_layers: int, device, dtype=torch.float32):
         self.num_layers = num_layers
         self.device = torch.device(device)
+        self.dtype = dtype
         self.kv_computed = 0  # K/V projections computed, summed over tokens (one per token per layer pass)
+        self._kernel_ok: Optional[bool] = None
+
+    def _kernel_for(self, seqs: Sequence[SeqSlice]) -> bool:
+        if not self.use_kernel or not seqs:
+            return False
+        if self._kernel_ok is None:
+            self._kernel_ok = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
+        return self._kernel_ok and (kernels.batch_invariant() or all(_is_decode(s) for s in seqs))
+
+    def _kernel_md(self, seqs: Sequence[SeqSlice], tables: torch.Tensor, block_size: int,
+                   num_blocks: int) -> KernelAttn:
+        tok_seq, tok_pos = [], []
+        for i, s in enumerate(seqs):
+            tok_seq += [i] * s.num_new
+            tok_pos += range(s.start, s.end)
+        return KernelAttn(tables, torch.tensor(tok_seq, dtype=torch.long), torch.tensor(tok_pos, dtype=torch.long),
+                          block_size, num_blocks, all(_is_decode(s) for s in seqs))
+
+    def _kernel_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """(keys, values, (block, token, head) strides in floats, kv heads) the kernel reads for this layer."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
+        km = md.kernel
+        keys, values, strides, kvh = self._kernel_kv(layer, k, v)
+        return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
+                                 block_size=km.block_size,
+                                 num_blocks=km.num_blocks, strides=strides, scale=scale, alibi_slopes=self.alibi,
+                                 sliding_window=self.sliding_window)
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +110,15 @@ class NoCache(_Backend):
     name = "none"
 
     def prepare(self, seqs: Sequence[SeqSlice]) -> AttentionMetadata:
+        if self._kernel_for(seqs):
+            # Each sequence's keys are its own rows of this step's K/V: one "block" starting at its first token.
+            starts, tok = [], 0
+            for s in seqs:
+                assert s.start == 0, "the none backend recomputes from position 0"
+                starts.append(tok)
+                tok += s.num_new
+            tables = torch.tensor(starts, dtype=torch.long).view(-1, 1)
+            return AttentionMetadata(groups=[], kernel=self._kernel_md(seqs, tables, 1 << 40, tok))
         groups = []
         tok = 0
         for s in seqs:
@@ -79,6 +134,10 @@ class NoCache(_Backend):
         n = g.end - g.start
         return (k[g.start:g.end].view(1, n, *k.shape[1:]).transpose(1, 2),
                 v[g.start:g.end].view(1, n, *v.shape[1:]).transpose(1, 2))
+
+    def _kernel_kv(self, layer, k, v):
+        assert k.stride() == v.stride() and k.stride(2) == 1
+        return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):
@@ -97,11 +156,12 @@ class ContiguousCache(_Backend):
     name = "contiguous"
 
     def __init__(self, num_layers, num_slots, num_kv_heads, max_len, head_dim, dtype, device):
-        super().__init__(num_layers, device)
+        super().__init__(num_layers, device, dtype)
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        self.num_slots = num_slots
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +170,13 @@ class ContiguousCache(_Backend):
     def prepare(self, seqs: Sequence[SeqSlice]) -> AttentionMetadata:
         groups, tok = [], 0
         slot_tok, pos_tok = [], []
+        if self._kernel_for(seqs):  # a slot is one "block" of max_len positions
+            for s in seqs:
+                slot_tok += [s.slot] * s.num_new
+                pos_tok += range(s.start, s.end)
+            tables = torch.tensor([s.slot for s in seqs], dtype=torch.long).view(-1, 1)
+            return AttentionMetadata(groups=[], slot_ids=torch.tensor(slot_tok), positions=torch.tensor(pos_tok),
+                                     kernel=self._kernel_md(seqs, tables, self.max_len, self.num_slots))
         for members in _group_seqs(seqs):
             b = len(members)
             q_len = members[0].num_new
@@ -141,20 +208,22 @@ class ContiguousCache(_Backend):
     def seq_len_capacity(self) -> int:
         return self.max_len
 
+    def _kernel_kv(self, layer, k, v):
+        kvh, max_len, d = self.k[layer].shape[1:]
+        return self.k[layer], self.v[layer], (kvh * max_len * d, d, max_len * d), kvh
+
 
 class PagedCache(_Backend):
     """Block pools per layer: K and V of [num_blocks, block_size, kv_heads, head_dim].
 
-    Single-token decodes attend through kvinfer.kernels.paged_decode_attention, which reads each sequence's
-    blocks in place, when the pools are float32 on CPU and the kernels are available; otherwise, and for
-    prefills that follow cached tokens, whole blocks are gathered and attended with SDPA.
+    The attention kernel reads each sequence's blocks in place through its block table; on the SDPA path
+    (other devices and dtypes) prefills that follow cached tokens gather whole blocks first.
     """
 
     name = "paged"
-    use_decode_kernel = True  # tests switch it off to compare with the gather path
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        super().__init__(num_layers, device)
+        super().__init__(num_layers, device, dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -162,21 +231,14 @@ class PagedCache(_Backend):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self._kernel_ok: Optional[bool] = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def _decode_kernel(self) -> bool:
-        if not self.use_decode_kernel:
-            return False
-        if self._kernel_ok is None:
-            from kvinfer import kernels
-
-            self._kernel_ok = (self.device.type == "cpu" and self.k[0].dtype == torch.float32
-                               and kernels.available())
-        return self._kernel_ok
+    def _kernel_kv(self, layer, k, v):
+        row = self.num_kv_heads * self.head_dim
+        return self.k[layer], self.v[layer], (self.block_size * row, row, self.head_dim), self.num_kv_heads
 
     def _slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # table [b, blocks], pos [b, n] -> flat slot of each position [b, n]
@@ -185,6 +247,15 @@ class PagedCache(_Backend):
     def prepare(self, seqs: Sequence[SeqSlice]) -> AttentionMetadata:
         bs = self.block_size
         groups, tok, slot_parts = [], 0, []
+        if self._kernel_for(seqs):
+            nblk = max(-(-s.end // bs) for s in seqs)
+            tables = torch.zeros(len(seqs), nblk, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                t = s.block_table[:nblk]
+                tables[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+            km = self._kernel_md(seqs, tables, bs, self.num_blocks)
+            slots = tables[km.tok_seq, km.tok_pos // bs] * bs + km.tok_pos % bs  # [tokens] where K/V are stored
+            return AttentionMetadata(groups=[], slot_mapping=slots, kernel=km)
         for members in _group_seqs(seqs):
             b = len(members)
             q_len = members[0].num_new
@@ -198,11 +269,8 @@ class PagedCache(_Backend):
             g = AttnGroup(tok, tok + b * q_len, b, q_len, ctx)
             q_pos = torch.tensor([list(range(s.start, s.end)) for s in members], device=self.device)
             lens = torch.tensor([s.end for s in members], device=self.device)
-            if q_len == 1 and members[0].start > 0 and self._decode_kernel():
-                g.decode_tables, g.decode_lens = tables, lens  # read in place: no mask, no gather
-            else:
-                self._mask_group(g, q_pos, lens, b == 1)
-            if g.decode_tables is None and not (b == 1 and members[0].start == 0):
+            self._mask_group(g, q_pos, lens, b == 1)
+            if not (b == 1 and members[0].start == 0):
                 g.gather_idx = tables  # [b, blocks]: whole blocks are copied, not single slots
             slot_parts.append(self._slots(tables, q_pos).reshape(-1))
             groups.append(g)
@@ -215,14 +283,6 @@ class PagedCache(_Backend):
         vf = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k)
         vf.index_copy_(0, md.slot_mapping, v)
-
-    def decode_attend(self, layer: int, g: AttnGroup, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [b, heads, dim] of a decode group -> [b, heads, dim], read from the block pools in place."""
-        from kvinfer import kernels
-
-        return kernels.paged_decode_attention(q.contiguous(), self.k[layer], self.v[layer], g.decode_tables,
-                                              g.decode_lens, scale, alibi_slopes=self.alibi,
-                                              sliding_window=self.sliding_window)
 
     def gather(self, layer, g: AttnGroup, k, v):
         if g.gather_idx is None:

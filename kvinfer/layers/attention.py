@@ -27,8 +27,20 @@ class AttnGroup:
     is_causal: bool = False  # the plain causal case: q_len == ctx_len, no padding, no window, no bias
     gather_idx: Optional[torch.Tensor] = None  # [b, blocks]: the block tables the paged backend gathers
     slot_ids: Optional[torch.Tensor] = None  # [b] rows of a contiguous cache
-    decode_tables: Optional[torch.Tensor] = None  # [b, blocks] int64: paged decode read in place by a kernel
-    decode_lens: Optional[torch.Tensor] = None  # [b] int64 cached tokens per sequence (this step's included)
+
+
+@dataclass
+class KernelAttn:
+    """The whole step for the attention kernel (kvinfer.kernels.attention): every query token, its sequence and
+    position, and how to find a sequence's keys: table[p // block_size] * strides[0] + (p % block_size) *
+    strides[1] + kv_head * strides[2] floats into the backend's K (V) tensor."""
+
+    tables: torch.Tensor  # [sequences, blocks] int64
+    tok_seq: torch.Tensor  # [tokens] int64
+    tok_pos: torch.Tensor  # [tokens] int64
+    block_size: int
+    num_blocks: int
+    decode_only: bool  # every sequence decodes one token (with one row of tables each, in token order)
 
 
 @dataclass
@@ -39,6 +51,7 @@ class AttentionMetadata:
     slot_mapping: Optional[torch.Tensor] = None  # [tokens] flat cache slot each new K/V is written to
     slot_ids: Optional[torch.Tensor] = None  # [tokens] contiguous backend: cache row per token
     positions: Optional[torch.Tensor] = None  # [tokens]
+    kernel: Optional[KernelAttn] = None  # set when the attention kernel serves every token of the step
     extra: dict = field(default_factory=dict)
 
 
@@ -84,6 +97,8 @@ class Attention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary.rotate_(positions, q, k)  # q, k are this layer's own: may rotate in place
         kv.store(self.layer_idx, k, v, md)
+        if md.kernel is not None:
+            return self.o(kv.attend(self.layer_idx, q, k, v, md, self.scale).view(n, self.q_size))
         if len(md.groups) == 1:
             out = self._attend(md.groups[0], q, k, v, kv)
         else:
@@ -91,8 +106,6 @@ class Attention(nn.Module):
         return self.o(out)
 
     def _attend(self, g: AttnGroup, q, k, v, kv) -> torch.Tensor:
-        if g.decode_tables is not None:
-            return kv.decode_attend(self.layer_idx, g, q[g.start:g.end], self.scale).view(g.num_seqs, self.q_size)
         keys, values = kv.gather(self.layer_idx, g, k, v)  # [b, kv_heads, L, dim]
         qg = q[g.start:g.end].view(g.num_seqs, g.q_len, self.num_heads, self.head_dim).transpose(1, 2)
         mask = g.mask

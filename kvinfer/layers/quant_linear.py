@@ -109,6 +109,7 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._weight = None  # the cached copy would not follow a device move
+        self._kernel, self._kernel_checked = None, False  # nor would the kernel's pointers
         return super()._apply(fn, *args, **kwargs)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -121,11 +122,11 @@ class QuantLinear(nn.Module):
         return w
 
     def uses_kernel(self) -> bool:
-        """Whether small float32 CPU batches go to the quantised kernel."""
+        """Whether float32 CPU batches go to the quantised kernel."""
         if not self._kernel_checked:
-            if self._qt is not None and kernels.available():
-                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw.shape[1],
-                                                      self.qtype)
+            if self._qt is not None and kernels.available() and self.raw.is_cpu:
+                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
+                                                      self.bias)
             self._kernel_checked = True
         return self._kernel is not None
 
@@ -133,17 +134,16 @@ class QuantLinear(nn.Module):
         n, k = self.out_features, self.in_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         t = x2.shape[0]
-        lim = self.kernel_max_rows
-        raw = self.raw
+        # Batch-invariant (the default): every batch size takes the kernel, whose per-row arithmetic does not
+        # depend on it; otherwise prefill-sized batches go to BLAS on the float32 copy.
+        lim = None if kernels.batch_invariant() else self.kernel_max_rows
         # The kernel has no backward: inputs that need gradients take the torch route.
-        if ((lim is None or t <= lim) and x2.dtype == torch.float32 and x2.is_cpu and raw.is_cpu
-                and x2.shape[1] == k and not x2.requires_grad and (self._kernel is not None or self.uses_kernel())):
+        if ((lim is None or t <= lim) and x2.dtype == torch.float32 and x2.is_cpu and x2.shape[1] == k
+                and not x2.requires_grad and (self._kernel is not None or self.uses_kernel())):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty((t, n), dtype=torch.float32)
-            self._kernel.run(x2.data_ptr(), t, raw.data_ptr(), y.data_ptr(), torch.get_num_threads())
-            if self.bias is not None:
-                y.add_(self.bias)
+            self._kernel.run(x2.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
         else:
             w = self.dequantized_weight()
             if w.dtype != x2.dtype:
@@ -205,3 +205,55 @@ class QuantEmbedding(nn.Module):
         lin = QuantLinear(self.raw, self.qtype, (self.num_embeddings, self.embedding_dim), **kwargs)
         lin.raw = self.raw  # the very same tensor: _raw_tensor may have returned a view of it
         return lin
+
+
+class KernelLinear(nn.Module):
+    """nn.Linear over float weights whose float32 CPU matmuls go through kvinfer's fixed-order kernel.
+
+    BLAS GEMMs pick their blocking (and with it the summation order) from the matrix shape, so a row's result
+    changes with the number of rows in the call; the kernel's does not (kvinfer.kernels, qmatmul.c). The weight
+    may stay float32, float16 or bfloat16 (widened exactly in registers); other devices and dtypes use F.linear.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._kernel: Optional[kernels.PreparedMatmul] = None
+        self._kernel_checked = False
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "KernelLinear":
+        return cls(lin.weight, lin.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_kernel=None, _kernel_checked=False)
+        return state
+
+    def _apply(self, fn, *args, **kwargs):
+        self._kernel, self._kernel_checked = None, False
+        return super()._apply(fn, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._kernel_checked:
+            w = self.weight
+            if (kernels.available() and w.is_cpu and w.dtype in kernels.FLOAT_TYPES and w.stride(1) == 1
+                    and (self.bias is None or self.bias.dtype == torch.float32)):
+                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, w,
+                                                      bias=None if self.bias is None else self.bias.contiguous())
+            self._kernel_checked = True
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self._kernel is not None and x2.dtype == torch.float32 and x2.is_cpu:
+            x2 = x2.contiguous()
+            y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+            self._kernel.run(x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads())
+        else:
+            w = self.weight if self.weight.dtype == x2.dtype else self.weight.to(x2.dtype)
+            b = self.bias if self.bias is None or self.bias.dtype == x2.dtype else self.bias.to(x2.dtype)
+            y = F.linear(x2, w, b)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

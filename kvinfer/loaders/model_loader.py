@@ -199,6 +199,13 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
         del ckpt
     elif ecfg.quantization == "gguf":
         raise ValidationError("quantization", "gguf", "needs a GGUF model on the CPU in float32")
+    from kvinfer import kernels
+
+    if device.type == "cpu" and dtype == torch.float32 and kernels.available() and kernels.batch_invariant():
+        from kvinfer.models.quantize import use_kernel_linears
+
+        use_kernel_linears(model)  # the float linears left: row-invariant kernel instead of BLAS
+    log.info("%s", kernels.describe())
     secs = time.perf_counter() - t0
     log.info("loaded %s (%s) in %.2f s: %d layers, hidden %d, %s on %s", src.path or ecfg.model, src.kind, secs,
              cfg.num_layers, cfg.hidden_size, str(dtype).replace("torch.", ""), device)

@@ -9,7 +9,6 @@ other model, dtype, device or backend keeps the eager path.
 from __future__ import annotations
 
 import ctypes
-import struct
 from typing import Optional
 
 import torch
@@ -17,12 +16,6 @@ import torch
 from kvinfer import kernels
 from kvinfer.layers.norm import RMSNorm
 from kvinfer.layers.quant_linear import QuantLinear
-
-_ARGS = ctypes.c_int64 * 22
-
-
-def _bits(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def unsupported_reason(model, backend) -> Optional[str]:
@@ -62,18 +55,17 @@ class FusedDecode:
             raise ValueError(f"fused decode unsupported: {reason}")
         cfg = model.cfg
         self.model, self.backend, self.cfg = model, backend, cfg
-        rows = []
+        layers = (kernels.DecodeLayer * cfg.num_layers)()
         for i, layer in enumerate(model.layers):
-            row = [layer.input_norm.weight.data_ptr()]
-            for lin in (layer.attn.qkv, layer.attn.o):
-                row += [lin.raw.data_ptr(), lin.raw.stride(0), kernels.QTYPES[lin.qtype]]
-            row.append(layer.post_attn_norm.weight.data_ptr())
-            for lin in (layer.mlp.gate_up, layer.mlp.down):
-                row += [lin.raw.data_ptr(), lin.raw.stride(0), kernels.QTYPES[lin.qtype]]
-            row += [backend.k[i].data_ptr(), backend.v[i].data_ptr()]
-            rows.append(row)
-        self.table = torch.tensor(rows, dtype=torch.int64)  # [layers, DECODE_LAYER_FIELDS]
-        assert self.table.shape[1] == kernels.DECODE_LAYER_FIELDS
+            e = layers[i]
+            e.attn_norm, e.ffn_norm = layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr()
+            for name, lin in (("qkv", layer.attn.qkv), ("o", layer.attn.o), ("gate_up", layer.mlp.gate_up),
+                              ("down", layer.mlp.down)):
+                setattr(e, name, lin.raw.data_ptr())
+                setattr(e, f"{name}_ldw", lin.raw.stride(0))
+                setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
+            e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
+        self.layers = layers
         self.scale = cfg.head_dim ** -0.5
         self._ptrs = self._current_ptrs()
 
@@ -88,22 +80,22 @@ class FusedDecode:
             self.__init__(self.model, self.backend)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
-        """Hidden states [B, hidden] after the final norm, for a step of B single-token decodes."""
+        """Hidden states [B, hidden] after the final norm, for a step of B single-token decodes (md.kernel set,
+        decode_only)."""
         self._check_ptrs()
-        cfg, model, kv = self.cfg, self.model, self.backend
-        (g,) = md.groups
+        cfg, model, kv, km = self.cfg, self.model, self.backend, md.kernel
         x = model.embed(input_ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
         rot = model.rotary
         cos = rot.cos[positions].contiguous()  # [B, head_dim / 2]
         sin = rot.sin[positions].contiguous()
         slots = md.slot_mapping.contiguous()
-        tables, lens = g.decode_tables.contiguous(), g.decode_lens.contiguous()
-        slopes = 0
-        args = _ARGS(x.data_ptr(), x.shape[0], cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size, cfg.num_layers, self.table.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], kv.block_size,
-                     kv.num_blocks, _bits(cfg.norm_eps), _bits(self.scale), torch.get_num_threads(),
-                     kv.sliding_window or 0, slopes)
-        kernels.decode_step(args)
+        tables = km.tables.contiguous()
+        lens = (km.tok_pos + 1).contiguous()
+        job = kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), cos.data_ptr(), sin.data_ptr(),
+                                slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0], cfg.hidden_size,
+                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks, kv.sliding_window or 0,
+                                cfg.norm_eps, self.scale, torch.get_num_threads())
+        kernels.decode_step(job)
         kv.kv_computed += x.shape[0] * cfg.num_layers
         return model.norm(x)

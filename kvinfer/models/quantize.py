@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvinfer import kernels
-from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
+from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear
 
 log = logging.getLogger("kvinfer")
 
@@ -31,10 +31,11 @@ def _swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
 def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
     """Replace every linear whose GGUF parts share a kernel-supported type; returns how many were swapped.
 
-    `raw` is read_gguf(keep_raw=True).raw: HF name -> (uint8 [rows, row_bytes], type name, shape). The float32
-    weights already loaded become the QuantLinear's copy for large batches (prefill), so nothing is dequantized
-    twice; small batches (decode) read the 4-8x smaller blocks instead.
+    `raw` is read_gguf(keep_raw=True).raw: HF name -> (uint8 [rows, row_bytes], type name, shape). Every batch
+    reads the 4-8x smaller blocks; only with KVINFER_BATCH_INVARIANT=0, where prefills go to BLAS, the float32
+    weights already loaded stay as the QuantLinear's copy for them (so nothing is dequantized twice).
     """
+    keep_float = not kernels.batch_invariant()
     ok_types = kernel_types()
     swapped = 0
     for i, layer in enumerate(model.layers):
@@ -51,7 +52,8 @@ def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
             q = QuantLinear.concat([QuantLinear.from_raw(*raw[n]) for n in names])
             if old.bias is not None:
                 q.bias = old.bias.detach().float().contiguous()
-            q._weight = old.weight.detach()  # the prefill copy, already dequantized by the loader
+            if keep_float:
+                q._weight = old.weight.detach()  # the prefill copy, already dequantized by the loader
             _swap(holder, attr, q)
             swapped += 1
     emb = raw.get("model.embed_tokens.weight")
@@ -64,5 +66,20 @@ def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
     head = raw.get("lm_head.weight")
     if head is not None and head[1] in ok_types and isinstance(model.lm_head, nn.Linear):
         model.lm_head = QuantLinear.from_raw(*head, kernel_max_rows=None)
+        swapped += 1
+    return swapped
+
+
+def use_kernel_linears(model: nn.Module) -> int:
+    """Swap every float nn.Linear (and a tied LM head, which shares the embedding's tensor) for KernelLinear, whose
+    CPU matmuls keep a row's result independent of the batch; returns how many were swapped."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                _swap(parent, name, KernelLinear.from_linear(child))
+                swapped += 1
+    if getattr(model, "lm_head", 1) is None and isinstance(model.embed, nn.Embedding):
+        model.lm_head = KernelLinear(model.embed.weight)  # the very same tensor: tied
         swapped += 1
     return swapped

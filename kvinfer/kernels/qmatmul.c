@@ -1,0 +1,277 @@
+/* Matmul y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for float32 activations and weights kept as GGML Q4_0 / Q4_1 /
+ * Q8_0 blocks, or as float32 / fp16 / bf16 rows.
+ *
+ * One arithmetic per output element, whatever M, the tile a row lands in, the thread count or the ISA level:
+ * a row's result is a fixed sequence of IEEE operations on that row and the weights alone. That is what makes
+ * a request's logits independent of what else shares its step (docs/ARCHITECTURE.md, "Exactness").
+ *
+ * Quantised weights (block layouts, 32 weights each, little-endian fp16 fields):
+ *   Q4_0: d qs[16]    w = d * (q - 8)      Q4_1: d m qs[16]   w = d * q + m      Q8_0: d qs[32]   w = d * q
+ * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble). Each x row is rounded per
+ * 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's largest
+ * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
+ * integer arithmetic; it is scaled by d * dx and accumulated in float, block after block, into two 8-lane
+ * accumulators (even / odd blocks), and Q4_1's minimum enters as m * sum(x_block). Decode-sized M is bound by
+ * reading W; at prefill sizes 4-row tiles share each decoded block.
+ *
+ * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
+ */
+#include "kernels.h"
+#include "simd.h"
+
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 32
+#define MT_MAX 4                     /* x rows per tile */
+#define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
+#define MIN_BYTES_PER_THREAD (16 * 1024)
+
+static int block_bytes(int qt) {
+    switch (qt) {
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static int elem_bytes(int qt) { return qt == QT_F32 ? 4 : (qt == QT_F16 || qt == QT_BF16) ? 2 : 0; }
+
+/* ---- quantised weights ---- */
+
+/* Row r: xq int16 [nb * 32], dx its block scales, sx its exact float block sums. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QK;
+            vf s = vf_zero(), mx = vf_zero();
+            for (int j = 0; j < 4; j++) {
+                vf v = vf_load(xb + 8 * j);
+                s = vf_add(s, v);
+                mx = vf_max(mx, vf_abs(v));
+            }
+            const float amax = vf_hmax(mx);
+            round_i16_32(xb, amax > 0.0f ? 32767.0f / amax : 0.0f, xq + (r * nb + b) * QK);
+            dx[r * nb + b] = amax / 32767.0f;
+            sx[r * nb + b] = vf_hsum(s);
+        }
+}
+
+static inline q32 load_q(const uint8_t *blk, int qt) {
+    if (qt == QT_Q8_0) return q32_from_q8(blk + 2);
+    return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
+}
+
+/* Weight rows n0..n1 against MT quantised x rows. Blocks go 8 at a time so that their fp16 scales are
+ * converted together; the nb % 8 leftover blocks take the same operations with their scales one by one. */
+static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, const float *dx, const float *sx,
+                                                         int64_t nb, const uint8_t *w, int64_t ldw, int qt,
+                                                         float *y, int64_t ldy, int64_t n0, int64_t n1,
+                                                         const int MT) {
+    const int bb = block_bytes(qt);
+    const int64_t nb8 = nb & ~(int64_t)7;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wrow = w + n * ldw;
+        vf acc[MT_MAX][2], off[MT_MAX];
+        float tail[MT_MAX];
+        for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = off[r] = vf_zero(), tail[r] = 0.0f;
+        for (int64_t b = 0; b < nb8; b += 8) {
+            const uint8_t *blk = wrow + b * bb;
+            uint16_t dh[8], mh[8];
+            for (int u = 0; u < 8; u++) {
+                dh[u] = kvq_rd16(blk + u * bb);
+                mh[u] = qt == QT_Q4_1 ? kvq_rd16(blk + u * bb + 2) : 0;
+            }
+            const vf vd = vf_load_half(dh);
+            float sc[MT_MAX][8];
+            for (int r = 0; r < MT; r++) {
+                vf_store(sc[r], vf_mul(vd, vf_load(dx + r * nb + b)));
+                if (qt == QT_Q4_1) off[r] = vf_fma(vf_load_half(mh), vf_load(sx + r * nb + b), off[r]);
+            }
+            for (int u = 0; u < 8; u++) {
+                const q32 q = load_q(blk + u * bb, qt);
+                for (int r = 0; r < MT; r++) {
+                    const vf p = vi_to_vf(q32_dot(q, xq + (r * nb + b + u) * QK));
+                    acc[r][u & 1] = vf_fma(p, vf_set1(sc[r][u]), acc[r][u & 1]);
+                }
+            }
+        }
+        for (int64_t b = nb8; b < nb; b++) {
+            const uint8_t *blk = wrow + b * bb;
+            const q32 q = load_q(blk, qt);
+            const float d = kvq_half(kvq_rd16(blk));
+            for (int r = 0; r < MT; r++) {
+                const vf p = vi_to_vf(q32_dot(q, xq + (r * nb + b) * QK));
+                acc[r][b & 1] = vf_fma(p, vf_set1(d * dx[r * nb + b]), acc[r][b & 1]);
+                if (qt == QT_Q4_1) tail[r] = tail[r] + kvq_half(kvq_rd16(blk + 2)) * sx[r * nb + b];
+            }
+        }
+        for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(vf_add(vf_add(acc[r][0], acc[r][1]), off[r])) + tail[r];
+    }
+}
+
+typedef void (*tile_q_fn)(const int16_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, int,
+                          float *, int64_t, int64_t, int64_t);
+#define KVQ_TILE_Q(MT)                                                                                          \
+    static void tile_q##MT(const int16_t *xq, const float *dx, const float *sx, int64_t nb, const uint8_t *w,   \
+                           int64_t ldw, int qt, float *y, int64_t ldy, int64_t n0, int64_t n1) {               \
+        if (qt == QT_Q4_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_1, y, ldy, n0, n1, MT);                        \
+        else if (qt == QT_Q4_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_0, y, ldy, n0, n1, MT);                   \
+        else tile_q(xq, dx, sx, nb, w, ldw, QT_Q8_0, y, ldy, n0, n1, MT);                                      \
+    }
+KVQ_TILE_Q(1)
+KVQ_TILE_Q(2)
+KVQ_TILE_Q(3)
+KVQ_TILE_Q(4)
+static const tile_q_fn tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, tile_q4};
+
+/* ---- float weights ---- */
+
+static inline vf load_w8(const uint8_t *row, int64_t k, int qt) {
+    if (qt == QT_F32) return vf_load((const float *)row + k);
+    if (qt == QT_BF16) return vf_load_bf16((const uint16_t *)row + k);
+    return vf_load_half((const uint16_t *)row + k);
+}
+
+static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
+    if (qt == QT_F32) return ((const float *)row)[k];
+    uint16_t h = ((const uint16_t *)row)[k];
+    return qt == QT_BF16 ? kvq_bf16(h) : kvq_half(h);
+}
+
+static inline __attribute__((always_inline)) void tile_f(const float *x, int64_t ldx, int64_t K, const uint8_t *w,
+                                                         int64_t ldw, int qt, float *y, int64_t ldy, int64_t n0,
+                                                         int64_t n1, const int MT) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wrow = w + n * ldw;
+        vf acc[MT_MAX][2];
+        float tail[MT_MAX];
+        for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = vf_zero(), tail[r] = 0.0f;
+        int64_t k = 0;
+        for (int j = 0; k + 8 <= K; k += 8, j ^= 1) {
+            const vf wv = load_w8(wrow, k, qt);
+            for (int r = 0; r < MT; r++) acc[r][j] = vf_fma(wv, vf_load(x + r * ldx + k), acc[r][j]);
+        }
+        for (; k < K; k++) {
+            const float wk = load_w1(wrow, k, qt);
+            for (int r = 0; r < MT; r++) tail[r] = fmaf(wk, x[r * ldx + k], tail[r]);
+        }
+        for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(vf_add(acc[r][0], acc[r][1])) + tail[r];
+    }
+}
+
+typedef void (*tile_f_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int, float *, int64_t, int64_t,
+                          int64_t);
+#define KVQ_TILE_F(MT)                                                                                          \
+    static void tile_f##MT(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ldw, int qt,       \
+                           float *y, int64_t ldy, int64_t n0, int64_t n1) {                                    \
+        if (qt == QT_F32) tile_f(x, ldx, K, w, ldw, QT_F32, y, ldy, n0, n1, MT);                               \
+        else if (qt == QT_BF16) tile_f(x, ldx, K, w, ldw, QT_BF16, y, ldy, n0, n1, MT);                        \
+        else tile_f(x, ldx, K, w, ldw, QT_F16, y, ldy, n0, n1, MT);                                            \
+    }
+KVQ_TILE_F(1)
+KVQ_TILE_F(2)
+KVQ_TILE_F(3)
+KVQ_TILE_F(4)
+static const tile_f_fn tiles_f[MT_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, tile_f4};
+
+/* ---- driver ---- */
+
+struct job {
+    const float *x, *bias;
+    const uint8_t *w;
+    float *y;
+    int64_t M, K, ldx, N, ldw, ldy;
+    int qt;
+    const int16_t *xq;
+    const float *dx, *sx;
+};
+
+static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
+    const int64_t nc = W_SLAB_BYTES / j->ldw > 0 ? W_SLAB_BYTES / j->ldw : 1;
+    const int64_t nb = j->K / QK;
+    for (int64_t c0 = n0; c0 < n1; c0 += nc) {
+        const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
+        for (int64_t r = 0; r < j->M; r += MT_MAX) {
+            const int64_t h = j->M - r < MT_MAX ? j->M - r : MT_MAX;
+            if (j->xq)
+                tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
+                           j->y + r * j->ldy, j->ldy, c0, c1);
+            else
+                tiles_f[h](j->x + r * j->ldx, j->ldx, j->K, j->w, j->ldw, j->qt, j->y + r * j->ldy, j->ldy, c0, c1);
+        }
+        if (j->bias)
+            for (int64_t r = 0; r < j->M; r++)
+                for (int64_t n = c0; n < c1; n++) j->y[r * j->ldy + n] = j->y[r * j->ldy + n] + j->bias[n];
+    }
+}
+
+int kvq_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int kvq_level(void) { return KVQ_LEVEL; }
+
+/* Returns 0, or a negative KVQ_E* code (y untouched). nthreads <= 0: OpenMP's default. Threads split the
+ * output columns, never K, so the thread count cannot change a result. */
+int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
+               const float *bias, float *y, int64_t ldy, int nthreads) {
+    const int bb = block_bytes(qt), eb = elem_bytes(qt);
+    if (!bb && !eb) return KVQ_EBADTYPE;
+    if (M < 0 || N < 0 || K <= 0 || (bb && K % QK) || ldx < K || ldy < N) return KVQ_EBADSHAPE;
+    const int64_t row_bytes = bb ? K / QK * bb : K * eb;
+    if (ldw < row_bytes) return KVQ_EROWBYTES;
+    if (M == 0 || N == 0) return KVQ_OK;
+
+    struct job j = {x, bias, w, y, M, K, ldx, N, ldw, ldy, qt, NULL, NULL, NULL};
+    int16_t *xq = NULL;
+    float *dx = NULL, *sx = NULL;
+    if (bb) {
+        const int64_t nb = K / QK;
+        xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+        dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+        sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+        if (!xq || !dx || !sx) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        quantize_rows(x, M, K, ldx, xq, dx, sx);
+        j.xq = xq, j.dx = dx, j.sx = sx;
+    }
+    int nt = nthreads > 0 ? nthreads : kvq_max_threads();
+    const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
+    if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
+    if (nt > N) nt = (int)N;
+    if (nt < 1) nt = 1;
+    if (nt == 1) {
+        run_rows(&j, 0, N); /* no OpenMP region: saves its fixed cost on small calls */
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            int tid = 0, nth = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            run_rows(&j, N * tid / nth, N * (tid + 1) / nth);
+        }
+    }
+    free(xq), free(dx), free(sx);
+    return KVQ_OK;
+}
+
+/* kvq_matmul with its arguments in one int64 array, in the same order: ctypes converts each argument of a call
+ * separately, and one pointer is several microseconds cheaper than twelve scalars (QuantLinear's hot path). */
+int kvq_matmul_packed(const int64_t *a) {
+    return kvq_matmul((const float *)(intptr_t)a[0], a[1], a[2], a[3], (const uint8_t *)(intptr_t)a[4], a[5], a[6],
+                      (int)a[7], (const float *)(intptr_t)a[8], (float *)(intptr_t)a[9], a[10], (int)a[11]);
+}

@@ -1,0 +1,250 @@
+/* The vector vocabulary every kernel is written in: 8 float lanes (vf), 8 int32 lanes (vi), one definition per
+ * ISA level. KVQ_LEVEL is set by the build: 0 portable C, 1 AVX2+FMA+F16C, 2 AVX-512 (F/BW/VL/DQ/VNNI).
+ *
+ * Exactness across levels is by construction: every float operation is one IEEE operation with the same
+ * operands on every level (add, mul, div, sqrt, a fused multiply-add as fmaf, round-to-nearest-even), in the
+ * same order, lane for lane; integer work (the quantised dot products) is exact, so it may be done any way a
+ * level likes. The portable level spells the lanes out in C; built with -ffp-contract=off everywhere, so the
+ * compiler never fuses a multiply and an add on its own. The AVX-512 level keeps 8-lane vectors (the order of
+ * a reduction is part of the result) and gains VNNI dot products and twice the registers.
+ */
+#ifndef KVINFER_SIMD_H
+#define KVINFER_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KVQ_LEVEL
+#error "KVQ_LEVEL must be defined (0 portable, 1 avx2, 2 avx512)"
+#endif
+
+static inline uint16_t kvq_rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2); /* GGML blocks are only 2-byte aligned; data is little-endian like every target here */
+    return v;
+}
+
+/* IEEE half -> float, exact (the portable twin of F16C's conversion). */
+static inline float kvq_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (ex == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* subnormal or zero: man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    bits = ex == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((ex + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float kvq_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if KVQ_LEVEL >= 1
+#include <immintrin.h>
+
+typedef __m256 vf;
+typedef __m256i vi;
+
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }   /* a * b + c, one rounding */
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); } /* c - a * b, one rounding */
+static inline vf vf_rint(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vi vf_to_vi(vf a) { return _mm256_cvtps_epi32(a); } /* nearest, ties to even */
+static inline vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
+static inline vf vi_as_vf(vi a) { return _mm256_castsi256_ps(a); }
+static inline vi vi_exp2_bits(vi n) { return _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23); }
+
+/* Lane sum in a fixed tree: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)). */
+static inline float vf_hsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float vf_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 fp16 / bf16 values at p (unaligned) as floats. */
+static inline vf vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* 32 int16 values of a quantised weight block, elements 0-15 in lo and 16-31 in hi. */
+typedef struct { __m256i lo, hi; } q32;
+
+/* The exact integer dot product of a block's 32 quants with 32 int16 activations, as 8 int32 lanes: lane j holds
+ * q[2j]x[2j] + q[2j+1]x[2j+1] + q[16+2j]x[16+2j] + q[17+2j]x[17+2j] (the lane split is part of the result). */
+static inline vi q32_dot(q32 q, const int16_t *x) {
+#if KVQ_LEVEL >= 2
+    __m256i acc = _mm256_dpwssd_epi32(_mm256_setzero_si256(), q.lo, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_dpwssd_epi32(acc, q.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(q.lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(q.hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+#endif
+}
+
+/* 4-bit quants: byte i holds element i (low nibble) and i + 16 (high nibble); `off` is subtracted (Q4_0: 8). */
+static inline q32 q32_from_q4(const uint8_t *qs, int off) {
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    q32 q;
+    q.lo = _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_set1_epi16((short)off));
+    q.hi = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), _mm256_set1_epi16((short)off));
+    return q;
+}
+
+static inline q32 q32_from_q8(const uint8_t *qs) {
+    q32 q;
+    q.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    q.hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    return q;
+}
+
+/* Round 32 floats times `scale` to int16 (nearest, ties to even, saturating) into out[0..32). */
+static inline void round_i16_32(const float *x, float scale, int16_t *out) {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int j = 0; j < 4; j += 2) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), s));
+        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j + 8), s));
+        /* packs interleaves 128-bit lanes; the permute puts the 16 values back in order */
+        _mm256_storeu_si256((__m256i *)(out + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
+    }
+}
+
+#else /* ---------------------------------------------------------------------------- portable C, same lanes */
+
+typedef struct { float v[8]; } vf;
+typedef struct { int32_t v[8]; } vi;
+#define KVQ_L8(expr) for (int _l = 0; _l < 8; _l++) expr
+
+static inline vf vf_zero(void) { vf r; KVQ_L8(r.v[_l] = 0.0f); return r; }
+static inline vf vf_set1(float x) { vf r; KVQ_L8(r.v[_l] = x); return r; }
+static inline vf vf_load(const float *p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof v.v); }
+static inline vf vf_add(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] + b.v[_l]); return a; }
+static inline vf vf_sub(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] - b.v[_l]); return a; }
+static inline vf vf_mul(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] * b.v[_l]); return a; }
+static inline vf vf_div(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] / b.v[_l]); return a; }
+/* maxps / minps semantics: the second operand when either is NaN or both are zeros */
+static inline vf vf_max(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] > b.v[_l] ? a.v[_l] : b.v[_l]); return a; }
+static inline vf vf_min(vf a, vf b) { KVQ_L8(a.v[_l] = a.v[_l] < b.v[_l] ? a.v[_l] : b.v[_l]); return a; }
+static inline vf vf_abs(vf a) { KVQ_L8(a.v[_l] = fabsf(a.v[_l])); return a; }
+static inline vf vf_fma(vf a, vf b, vf c) { KVQ_L8(a.v[_l] = fmaf(a.v[_l], b.v[_l], c.v[_l])); return a; }
+static inline vf vf_fnma(vf a, vf b, vf c) { KVQ_L8(a.v[_l] = fmaf(-a.v[_l], b.v[_l], c.v[_l])); return a; }
+static inline vf vf_rint(vf a) { KVQ_L8(a.v[_l] = nearbyintf(a.v[_l])); return a; }
+static inline vi vf_to_vi(vf a) { vi r; KVQ_L8(r.v[_l] = (int32_t)nearbyintf(a.v[_l])); return r; }
+static inline vf vi_to_vf(vi a) { vf r; KVQ_L8(r.v[_l] = (float)a.v[_l]); return r; }
+static inline vf vi_as_vf(vi a) { vf r; memcpy(r.v, a.v, sizeof r.v); return r; }
+static inline vi vi_exp2_bits(vi n) { KVQ_L8(n.v[_l] = (int32_t)((uint32_t)(n.v[_l] + 127) << 23)); return n; }
+
+static inline float vf_hsum(vf v) {
+    const float *l = v.v;
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+static inline float vf_hmax(vf v) {
+    float m = v.v[0];
+    for (int i = 1; i < 8; i++) m = v.v[i] > m ? v.v[i] : m;
+    return m;
+}
+
+static inline vf vf_load_half(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_half(p[_l])); return r; }
+static inline vf vf_load_bf16(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_bf16(p[_l])); return r; }
+
+typedef struct { int16_t q[32]; } q32;
+
+static inline vi q32_dot(q32 q, const int16_t *x) {
+    vi r;
+    for (int j = 0; j < 8; j++)
+        r.v[j] = (int32_t)q.q[2 * j] * x[2 * j] + (int32_t)q.q[2 * j + 1] * x[2 * j + 1] +
+                 (int32_t)q.q[16 + 2 * j] * x[16 + 2 * j] + (int32_t)q.q[17 + 2 * j] * x[17 + 2 * j];
+    return r;
+}
+
+static inline q32 q32_from_q4(const uint8_t *qs, int off) {
+    q32 q;
+    for (int i = 0; i < 16; i++) {
+        q.q[i] = (int16_t)((qs[i] & 15) - off);
+        q.q[i + 16] = (int16_t)((qs[i] >> 4) - off);
+    }
+    return q;
+}
+
+static inline q32 q32_from_q8(const uint8_t *qs) {
+    q32 q;
+    for (int i = 0; i < 32; i++) q.q[i] = (int16_t)(int8_t)qs[i];
+    return q;
+}
+
+static inline void round_i16_32(const float *x, float scale, int16_t *out) {
+    for (int i = 0; i < 32; i++) {
+        float r = nearbyintf(x[i] * scale);
+        out[i] = (int16_t)(r > 32767.0f ? 32767 : r < -32768.0f ? -32768 : (int32_t)r);
+    }
+}
+#undef KVQ_L8
+#endif
+
+/* ---- shared by every level: built from the operations above only ---- */
+
+/* exp of 8 floats: Cephes' expf polynomial after range reduction by ln 2 (about 2 ulp). Inputs are clamped to
+ * [-87, 88], so exp of a very negative score is ~1e-38 rather than 0, which no softmax sum can notice. */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.0f));
+    vf n = vf_rint(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnma(n, vf_set1(0.693359375f), x);
+    r = vf_fnma(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fma(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fma(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fma(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fma(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fma(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fma(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    return vf_mul(p, vi_as_vf(vi_exp2_bits(vf_to_vi(n))));
+}
+
+/* The same exp for one float, operation for operation, so a tail element equals the lane it would have had. */
+static inline float kvq_exp1(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    x = x < 88.0f ? x : 88.0f;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float e;
+    memcpy(&e, &bits, 4);
+    return p * e;
+}
+
+#endif
