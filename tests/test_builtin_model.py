@@ -50,7 +50,11 @@ def test_logits_match_transformers_and_greedy_continuations(builtin_llm, hf_mode
             md = kv.prepare([SeqSlice(0, len(full))])
             n = len(full)
             ours = model.compute_logits(model(torch.tensor(full), torch.arange(n), md, kv))
-        assert (ours - ref).abs().max().item() <= 1e-3, prompt
+        # The quantised matmuls round each 32-element block of activations to 16 bits (one arithmetic for every
+        # batch size): logits within ~2e-2 of transformers' float32 (observed 0.021 on logits of magnitude ~15;
+        # a wrong scale or element gives errors of order 1), 3e-3 on average.
+        diff = (ours - ref).abs()
+        assert diff.max().item() <= 0.05 and diff.mean().item() <= 3e-3, prompt
     assert_engine_clean(builtin_llm.engine)
 
 

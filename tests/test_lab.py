@@ -83,6 +83,12 @@ def test_mismatch_is_detected():
     assert not res.identical
     assert "generated token 2" in res.mismatch and "3 vs 4" in res.mismatch
     assert "NO" in markdown_table(res)
+    # Same tokens, logprobs one ulp apart: still a mismatch (the contract is bitwise).
+    a, b = run("none", [1, 2, 3]), run("paged", [1, 2, 3])
+    a.logprobs, b.logprobs = [-0.5, -1.0, -2.0], [-0.5, -1.0000001, -2.0]
+    res = LabResult("m", "float32", 1, 8, 3, 3, 16, 16, {"none": a, "paged": b})
+    check_identical(res)
+    assert not res.identical and "logprobs differ" in res.mismatch and "generated token 1" in res.mismatch
 
 
 def test_latency_trend_slope_and_ratio():

@@ -58,7 +58,10 @@ def ref_of(tmp_path_factory):
 def test_variants_are_what_they_claim(ref_of):
     kv = {name: ref_of(name)[2].config.num_kv_heads for name in VARIANTS}
     assert (kv["mha"], kv["gqa-tied"], kv["mqa"]) == (4, 2, 1)
-    assert ref_of("gqa-tied")[2].config.tie_word_embeddings and ref_of("gqa-tied")[2].model.lm_head is None
+    tied = ref_of("gqa-tied")[2]
+    assert tied.config.tie_word_embeddings
+    # tied: no head of its own, or (on the kernel path) a KernelLinear over the embedding's very tensor
+    assert tied.model.lm_head is None or tied.model.lm_head.weight.data_ptr() == tied.model.embed.weight.data_ptr()
     assert not ref_of("mha")[2].config.tie_word_embeddings
     assert ref_of("rope-llama3")[2].config.rope_scaling.type == "llama3"
     assert ref_of("rope-linear")[2].config.rope_scaling.factor == 2.0

@@ -121,12 +121,12 @@ def test_abandoned_requests_are_aborted_and_free_their_blocks(srv, client):
 
     results = asyncio.run(hundred())
     assert results.count("gave up") == 100
-    t0 = time.monotonic()
-    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=30)
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert time.monotonic() - t0 < 10
-    text = _wait_kv_free(client)
+    text = _wait_kv_free(client, timeout=120)
     assert metric(text, "kvinfer_kv_blocks_total") > 0
+    # Aborted, not run to the end in the background: far fewer tokens than 100 x 400 were generated.
+    assert metric(text, "kvinfer_generation_tokens_total") < 100 * 400 / 4
     assert client.get("/health").json() == {"status": "ok"}
 
 

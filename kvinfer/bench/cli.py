@@ -2,18 +2,37 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
 
+PEERS = ("transformers", "llama.cpp", "llama-server", "no-invariance", "none")
+NO_INVARIANCE = "kvinfer, KVINFER_BATCH_INVARIANT=0"
+
+
 def _peers(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in ("transformers", "llama.cpp", "llama-server", "none")]
+    bad = [n for n in names if n not in PEERS]
     if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown peer {bad[0]!r}; choose from transformers, llama.cpp, llama-server, none")
+        raise argparse.ArgumentTypeError(f"unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}")
     return [n for n in names if n != "none"]
+
+
+@contextlib.contextmanager
+def _invariance_off():
+    """The same build with batch invariance given up (BLAS and SDPA for prefill-sized steps): its cost."""
+    old = os.environ.get("KVINFER_BATCH_INVARIANT")
+    os.environ["KVINFER_BATCH_INVARIANT"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KVINFER_BATCH_INVARIANT"]
+        else:
+            os.environ["KVINFER_BATCH_INVARIANT"] = old
 
 
 def register(sub) -> None:
@@ -33,7 +52,11 @@ def register(sub) -> None:
     d.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens"), default=32,
                    help="prompt length in tokens (default 32)")
     d.add_argument("--compare", type=_peers, default=["transformers"],
-                   help="comma-separated peers: transformers, llama.cpp, none (default transformers)")
+                   help="comma-separated peers: transformers, llama.cpp (llama-bench when --llama-bench or "
+                        "$LLAMA_BENCH names it, else llama-cpp-python), no-invariance (kvinfer itself with "
+                        "KVINFER_BATCH_INVARIANT=0), none (default transformers)")
+    d.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="llama.cpp's llama-bench binary for --compare llama.cpp (default $LLAMA_BENCH)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(d)
     d.set_defaults(func=cmd_decode)
@@ -46,8 +69,8 @@ def register(sub) -> None:
     t.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     t.add_argument("--compare", type=_peers, default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
-                        "time), llama-server (llama.cpp's HTTP server, parallel slots), none (default "
-                        "transformers)")
+                        "time), llama-server (llama.cpp's HTTP server, parallel slots), no-invariance (kvinfer "
+                        "itself with KVINFER_BATCH_INVARIANT=0), none (default transformers)")
     t.add_argument("--llama-server", metavar="PATH", default=None,
                    help="llama.cpp server binary for --compare llama-server (default $LLAMA_SERVER, else "
                         "llama-server on PATH)")
@@ -93,7 +116,7 @@ def cmd_decode(args) -> int:
     rng = random.Random(0)
     prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(args.prompt_tokens)]
 
-    def ours():
+    def ours(engine=engine):
         rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
         t0 = time.perf_counter()
         times = []
@@ -109,13 +132,23 @@ def cmd_decode(args) -> int:
     # Warm-up: the first steps pay one-off costs (allocator, kernel selection). Another prompt of the same
     # length, so the measured prefill is not served from the prefix cache.
     warm = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(args.prompt_tokens)]
-    engine.add_request(None, warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+
+    def warm_up(engine):
+        engine.add_request(None, warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    warm_up(engine)
     rows = [dict(name="kvinfer", load_s=engine.loaded.load_seconds, startup_s=startup, **ours())]
     path = engine.loaded.source.path
     for peer in args.compare:
-        if peer == "transformers":
+        if peer == "no-invariance":
+            with _invariance_off():
+                other = LLMEngine(cfg)
+                warm_up(other)
+                rows.append(dict(name="kvinfer*", load_s=other.loaded.load_seconds, **ours(other)))
+            del other
+        elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_decode
 
             t0 = time.perf_counter()
@@ -128,10 +161,25 @@ def cmd_decode(args) -> int:
             rows.append(dict(name="transformers", load_s=load_s, **transformers_decode(m, prompt, args.tokens)))
             del m
         elif peer == "llama.cpp":
-            from kvinfer.bench.peers import llama_cpp_decode, load_llama_cpp
+            import os
+
+            from kvinfer.bench.peers import find_binary, llama_bench_decode, llama_cpp_decode, load_llama_cpp
 
             if path is None or not path.is_file():
                 print("llama.cpp needs a GGUF model; skipped", file=sys.stderr)
+                continue
+            if args.llama_bench or os.environ.get("LLAMA_BENCH"):
+                binary = find_binary(args.llama_bench, "LLAMA_BENCH", "llama-bench")
+                if binary is None:
+                    print(f"llama-bench not found or not executable: {args.llama_bench or os.environ['LLAMA_BENCH']}",
+                          file=sys.stderr)
+                    continue
+                try:
+                    row = llama_bench_decode(binary, path, args.prompt_tokens, args.tokens, _threads())
+                except RuntimeError as e:
+                    print(f"llama.cpp skipped: {e}", file=sys.stderr)
+                    continue
+                rows.append(dict(name="llama-bench", load_s=float("nan"), **row))
                 continue
             t0 = time.perf_counter()
             llm = load_llama_cpp(path, args.prompt_tokens + args.tokens + 16, _threads())
@@ -159,6 +207,11 @@ def cmd_decode(args) -> int:
     for r in rows:
         print(f"{r['name']:<14}{r['load_s']:>8.2f}{r['ttft'] * 1000:>10.1f}{r['prefill_tps']:>15.1f}"
               f"{r['decode_tps']:>14.1f}{r['kvinfer_vs_this']:>28.2f}x, {r['kvinfer_prefill_vs_this']:.2f}x")
+    for r in rows:
+        if r.get("command"):
+            print(f"{r['name']}: {r['command']} (TTFT = prompt / its pp rate)")
+        if r["name"] == "kvinfer*":
+            print(f"kvinfer*: {NO_INVARIANCE} (BLAS and SDPA for prefill-sized steps; not batch-invariant)")
     return 0
 
 
@@ -174,17 +227,22 @@ def cmd_throughput(args) -> int:
     from kvinfer.utils import format_bytes
 
     cfg = engine_config_from_args(args)
+
+    def run(llm):
+        eng = llm.engine
+        work = throughput_workload(args.num_requests, args.workload_seed, vocab_size=eng.model_config.vocab_size)
+        params = [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]
+        # Warm-up on a prompt outside the workload (the workload's own would be served from the prefix cache).
+        warm = throughput_workload(1, args.workload_seed + 1, vocab_size=eng.model_config.vocab_size)[0]
+        llm.generate([warm.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
+        t0 = time.perf_counter()
+        outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
+        return work, outs, time.perf_counter() - t0
+
     llm = LLM(config=cfg)
     eng = llm.engine
-    work = throughput_workload(args.num_requests, args.workload_seed, vocab_size=eng.model_config.vocab_size)
-    params = [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]
-    # Warm-up on a prompt outside the workload (the workload's own would be served from the prefix cache).
-    warm = throughput_workload(1, args.workload_seed + 1, vocab_size=eng.model_config.vocab_size)[0]
-    llm.generate([warm.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
-    t0 = time.perf_counter()
-    outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
-    secs = time.perf_counter() - t0
+    work, outs, secs = run(llm)
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
     ttft = [o.ttft for o in outs]
@@ -217,7 +275,12 @@ def cmd_throughput(args) -> int:
     path = eng.loaded.source.path
     del llm, eng
     for peer in args.compare:
-        if peer == "transformers":
+        if peer == "no-invariance":
+            with _invariance_off():
+                _, o2, s2 = run(LLM(config=cfg))
+            g2 = sum(len(o.outputs[0].token_ids) for o in o2)
+            rows.append(dict(name=NO_INVARIANCE, seconds=s2, tps=g2 / s2, generated=g2))
+        elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_static_batches
 
             m = load_transformers(path, dtype)

@@ -122,13 +122,44 @@ def llama_cpp_throughput(llm, requests) -> dict:
     return dict(seconds=secs, useful_tokens=useful, tps=useful / secs)
 
 
-def find_llama_server(explicit: Optional[str]) -> Optional[str]:
-    """The llama.cpp server binary: --llama-server, else $LLAMA_SERVER, else `llama-server` on PATH."""
+def find_binary(explicit: Optional[str], env: str, name: str) -> Optional[str]:
+    """A llama.cpp binary: the explicit path, else $env, else `name` on PATH (None when none is executable)."""
     import os
     import shutil
 
-    cand = explicit or os.environ.get("LLAMA_SERVER") or "llama-server"
+    cand = explicit or os.environ.get(env) or name
     return shutil.which(cand) or (cand if os.path.isfile(cand) and os.access(cand, os.X_OK) else None)
+
+
+def llama_bench_decode(binary: str, model_path: Path, prompt_tokens: int, new_tokens: int, threads: int,
+                       repetitions: int = 3) -> dict:
+    """llama.cpp's own benchmark: pp<prompt_tokens> and tg<new_tokens>, mean tokens/s over its repetitions. Its
+    prefill figure is the prompt alone, so TTFT is reported as prompt_tokens / that rate. Raises RuntimeError
+    (one line) when the binary fails or prints something else than its JSON."""
+    import json
+    import subprocess
+
+    argv = [binary, "-m", str(model_path), "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
+            "-r", str(repetitions), "-o", "json"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"llama-bench could not run: {e}") from e
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"llama-bench exited {proc.returncode}: {tail}")
+    try:
+        rows = json.loads(proc.stdout)
+        pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt_tokens and r["n_gen"] == 0)
+        tg = next(r["avg_ts"] for r in rows if r["n_gen"] == new_tokens and r["n_prompt"] == 0)
+    except (ValueError, KeyError, StopIteration, TypeError) as e:
+        raise RuntimeError(f"llama-bench printed no pp{prompt_tokens}/tg{new_tokens} results: {e}") from e
+    return dict(ttft=prompt_tokens / pp, decode_tps=tg, tokens=new_tokens, command=" ".join(argv))
+
+
+def find_llama_server(explicit: Optional[str]) -> Optional[str]:
+    """The llama.cpp server binary: --llama-server, else $LLAMA_SERVER, else `llama-server` on PATH."""
+    return find_binary(explicit, "LLAMA_SERVER", "llama-server")
 
 
 def llama_server_throughput(binary: str, model_path: Path, requests, threads: int, slots: int,

@@ -444,7 +444,7 @@ def describe() -> str:
     if not available():
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks "
-            f"(float weights: fp32 FMA), attention: in-place paged, fixed {256}-position pieces")
+            f"(float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
 
 def load(flags: Optional[list[str]] = None, cc: Optional[str] = None) -> ctypes.CDLL:

@@ -31,9 +31,13 @@
 static inline float dot(const float *q, const float *k, int64_t D) {
     vf a0 = vf_zero(), a1 = vf_zero();
     int64_t i = 0;
-    for (int j = 0; i + 8 <= D; i += 8, j ^= 1) {
-        if (j) a1 = vf_fma(vf_load(q + i), vf_load(k + i), a1);
-        else a0 = vf_fma(vf_load(q + i), vf_load(k + i), a0);
+    for (; i + 16 <= D; i += 16) {
+        a0 = vf_fma(vf_load(q + i), vf_load(k + i), a0);
+        a1 = vf_fma(vf_load(q + i + 8), vf_load(k + i + 8), a1);
+    }
+    if (i + 8 <= D) {
+        a0 = vf_fma(vf_load(q + i), vf_load(k + i), a0);
+        i += 8;
     }
     float t = 0.0f;
     for (; i < D; i++) t = fmaf(q[i], k[i], t);

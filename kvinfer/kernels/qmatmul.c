@@ -68,7 +68,9 @@ static inline q32 load_q(const uint8_t *blk, int qt) {
 }
 
 /* Weight rows n0..n1 against MT quantised x rows. Blocks go 8 at a time so that their fp16 scales are
- * converted together; the nb % 8 leftover blocks take the same operations with their scales one by one. */
+ * converted together; the nb % 8 leftover blocks take the same operations with their scales one by one. Q4_1's
+ * m * sum(x_block) terms are summed in a second pass over the row's blocks (in block order, as they would be in
+ * the first): that keeps the main loop's accumulators in registers when 4 x rows share a tile. */
 static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, const float *dx, const float *sx,
                                                          int64_t nb, const uint8_t *w, int64_t ldw, int qt,
                                                          float *y, int64_t ldy, int64_t n0, int64_t n1,
@@ -77,27 +79,21 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
     const int64_t nb8 = nb & ~(int64_t)7;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wrow = w + n * ldw;
-        vf acc[MT_MAX][2], off[MT_MAX];
-        float tail[MT_MAX];
-        for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = off[r] = vf_zero(), tail[r] = 0.0f;
+        vf acc[MT_MAX][2];
+        for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = vf_zero();
         for (int64_t b = 0; b < nb8; b += 8) {
             const uint8_t *blk = wrow + b * bb;
-            uint16_t dh[8], mh[8];
-            for (int u = 0; u < 8; u++) {
-                dh[u] = kvq_rd16(blk + u * bb);
-                mh[u] = qt == QT_Q4_1 ? kvq_rd16(blk + u * bb + 2) : 0;
-            }
+            uint16_t dh[8];
+            for (int u = 0; u < 8; u++) dh[u] = kvq_rd16(blk + u * bb);
             const vf vd = vf_load_half(dh);
             float sc[MT_MAX][8];
-            for (int r = 0; r < MT; r++) {
-                vf_store(sc[r], vf_mul(vd, vf_load(dx + r * nb + b)));
-                if (qt == QT_Q4_1) off[r] = vf_fma(vf_load_half(mh), vf_load(sx + r * nb + b), off[r]);
-            }
-            for (int u = 0; u < 8; u++) {
-                const q32 q = load_q(blk + u * bb, qt);
+            for (int r = 0; r < MT; r++) vf_store(sc[r], vf_mul(vd, vf_load(dx + r * nb + b)));
+            for (int u = 0; u < 8; u += 2) { /* even blocks into acc[r][0], odd ones into acc[r][1] */
+                const q32 q0 = load_q(blk + u * bb, qt), q1 = load_q(blk + (u + 1) * bb, qt);
                 for (int r = 0; r < MT; r++) {
-                    const vf p = vi_to_vf(q32_dot(q, xq + (r * nb + b + u) * QK));
-                    acc[r][u & 1] = vf_fma(p, vf_set1(sc[r][u]), acc[r][u & 1]);
+                    const int16_t *xr = xq + (r * nb + b + u) * QK;
+                    acc[r][0] = vf_fma(vi_to_vf(q32_dot(q0, xr)), vf_set1(sc[r][u]), acc[r][0]);
+                    acc[r][1] = vf_fma(vi_to_vf(q32_dot(q1, xr + QK)), vf_set1(sc[r][u + 1]), acc[r][1]);
                 }
             }
         }
@@ -108,8 +104,21 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
             for (int r = 0; r < MT; r++) {
                 const vf p = vi_to_vf(q32_dot(q, xq + (r * nb + b) * QK));
                 acc[r][b & 1] = vf_fma(p, vf_set1(d * dx[r * nb + b]), acc[r][b & 1]);
-                if (qt == QT_Q4_1) tail[r] = tail[r] + kvq_half(kvq_rd16(blk + 2)) * sx[r * nb + b];
             }
+        }
+        vf off[MT_MAX];
+        float tail[MT_MAX];
+        for (int r = 0; r < MT; r++) off[r] = vf_zero(), tail[r] = 0.0f;
+        if (qt == QT_Q4_1) {
+            for (int64_t b = 0; b < nb8; b += 8) {
+                uint16_t mh[8];
+                for (int u = 0; u < 8; u++) mh[u] = kvq_rd16(wrow + (b + u) * bb + 2);
+                const vf vm = vf_load_half(mh);
+                for (int r = 0; r < MT; r++) off[r] = vf_fma(vm, vf_load(sx + r * nb + b), off[r]);
+            }
+            for (int64_t b = nb8; b < nb; b++)
+                for (int r = 0; r < MT; r++)
+                    tail[r] = tail[r] + kvq_half(kvq_rd16(wrow + b * bb + 2)) * sx[r * nb + b];
         }
         for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(vf_add(vf_add(acc[r][0], acc[r][1]), off[r])) + tail[r];
     }
@@ -153,9 +162,17 @@ static inline __attribute__((always_inline)) void tile_f(const float *x, int64_t
         float tail[MT_MAX];
         for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = vf_zero(), tail[r] = 0.0f;
         int64_t k = 0;
-        for (int j = 0; k + 8 <= K; k += 8, j ^= 1) {
-            const vf wv = load_w8(wrow, k, qt);
-            for (int r = 0; r < MT; r++) acc[r][j] = vf_fma(wv, vf_load(x + r * ldx + k), acc[r][j]);
+        for (; k + 16 <= K; k += 16) { /* even groups of 8 into acc[r][0], odd ones into acc[r][1] */
+            const vf w0 = load_w8(wrow, k, qt), w1 = load_w8(wrow, k + 8, qt);
+            for (int r = 0; r < MT; r++) {
+                acc[r][0] = vf_fma(w0, vf_load(x + r * ldx + k), acc[r][0]);
+                acc[r][1] = vf_fma(w1, vf_load(x + r * ldx + k + 8), acc[r][1]);
+            }
+        }
+        if (k + 8 <= K) {
+            const vf w0 = load_w8(wrow, k, qt);
+            for (int r = 0; r < MT; r++) acc[r][0] = vf_fma(w0, vf_load(x + r * ldx + k), acc[r][0]);
+            k += 8;
         }
         for (; k < K; k++) {
             const float wk = load_w1(wrow, k, qt);

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvinfer import kernels
@@ -22,6 +23,15 @@ class SeqSlice:
     @property
     def end(self) -> int:
         return self.start + self.num_new
+
+
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    """A zero-filled cache tensor. On the CPU it comes from calloc (through numpy): the kernel maps zero pages
+    lazily, so the budget is reserved at start-up but memory is only touched as blocks are first written."""
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
+    if torch.device(device).type == "cpu" and np_dtype is not None:
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _is_decode(s: SeqSlice) -> bool:
@@ -136,7 +146,8 @@ class NoCache(_Backend):
                 v[g.start:g.end].view(1, n, *v.shape[1:]).transpose(1, 2))
 
     def _kernel_kv(self, layer, k, v):
-        assert k.stride() == v.stride() and k.stride(2) == 1
+        if k.stride() != v.stride() or k.stride(2) != 1:  # q/k norms made k a tensor of its own
+            k, v = k.contiguous(), v.contiguous()
         return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
 
 
@@ -158,8 +169,8 @@ class ContiguousCache(_Backend):
     def __init__(self, num_layers, num_slots, num_kv_heads, max_len, head_dim, dtype, device):
         super().__init__(num_layers, device, dtype)
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.max_len = max_len
         self.num_slots = num_slots
 
@@ -225,8 +236,8 @@ class PagedCache(_Backend):
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         super().__init__(num_layers, device, dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads

@@ -43,6 +43,7 @@ class BackendRun:
     peak_kv_bytes: int = 0
     reserved_kv_bytes: int = 0
     kv_memory_note: str = ""
+    logprobs: list[float] = field(default_factory=list)  # of each generated token, compared bit for bit
 
     @property
     def total_seconds(self) -> float:
@@ -136,7 +137,7 @@ def run_backend(loaded, base: EngineConfig, backend: str, prompt_ids: Sequence[i
 
     engine.scheduler.schedule = schedule
     run = BackendRun(backend, [])
-    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     engine.add_request("lab", list(prompt_ids), params)
     p = len(prompt_ids)
     final = None
@@ -160,6 +161,7 @@ def run_backend(loaded, base: EngineConfig, backend: str, prompt_ids: Sequence[i
                 final = o
     assert final is not None and len(final.outputs[0].token_ids) == num_tokens
     run.token_ids = list(final.outputs[0].token_ids)
+    run.logprobs = [lp.logprob for lp in final.outputs[0].logprobs]
     run.kv_formula = kv_formula(backend, p, num_tokens, mc.num_layers)
     run.peak_kv_bytes = max(s.kv_bytes for s in run.steps)
     run.reserved_kv_bytes = engine.kv_cache.nbytes
@@ -184,7 +186,7 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def check_identical(result: LabResult) -> None:
-    """Record whether every backend produced the same greedy tokens."""
+    """Record whether every backend produced the same greedy tokens and bitwise the same logprobs."""
     names = list(result.runs)
     ref = result.runs[names[0]]
     for name in names[1:]:
@@ -196,6 +198,12 @@ def check_identical(result: LabResult) -> None:
             result.identical = False
             result.mismatch = (f"greedy outputs differ: {LABELS[ref.backend]} and {LABELS[name]} first disagree at "
                                f"generated token {i} (token id {a} vs {b})")
+            return
+        if other.logprobs != ref.logprobs:
+            i = _first_difference(ref.logprobs, other.logprobs)
+            result.identical = False
+            result.mismatch = (f"logprobs differ: {LABELS[ref.backend]} and {LABELS[name]} first disagree at "
+                               f"generated token {i} ({ref.logprobs[i]!r} vs {other.logprobs[i]!r})")
             return
 
 
@@ -327,7 +335,8 @@ def markdown_table(result: LabResult) -> str:
         f"Prompt {result.prompt_len} tokens, {result.num_tokens} tokens generated greedily (ignore_eos), "
         f"{result.num_layers} layers, {format_bytes(result.kv_bytes_per_token)} of K/V per token, "
         f"max_model_len {result.max_model_len}, block size {result.block_size}. Machine: {result.machine or '?'}.",
-        f"Greedy outputs identical across backends: {'yes' if result.identical else 'NO — ' + result.mismatch}.",
+        f"Tokens and logprobs bitwise identical across backends: "
+        f"{'yes' if result.identical else 'NO — ' + result.mismatch}.",
         "",
         head, sep,
     ]

@@ -248,7 +248,7 @@ class KernelLinear(nn.Module):
                                                       bias=None if self.bias is None else self.bias.contiguous())
             self._kernel_checked = True
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._kernel is not None and x2.dtype == torch.float32 and x2.is_cpu:
+        if self._kernel is not None and x2.dtype == torch.float32 and x2.is_cpu and kernels.batch_invariant():
             x2 = x2.contiguous()
             y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
             self._kernel.run(x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads())

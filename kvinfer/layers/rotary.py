@@ -11,7 +11,9 @@ from kvinfer import kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Explicitly on the CPU: a model built on the meta device would otherwise trace these ops through
+    # torch's decompositions (and import torch._dynamo, seconds of start-up).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.type == "linear":
@@ -37,7 +39,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
+        t = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).float()
         freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

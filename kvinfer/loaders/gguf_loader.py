@@ -409,8 +409,11 @@ def _architecture(f: _File) -> str:
     return arch
 
 
-def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
-    """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names."""
+def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset()) -> GGUFCheckpoint:
+    """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
+
+    Matrices of a type in lazy_types (with keep_raw) are not dequantized: their tensors are shape-only
+    placeholders on the meta device, for a caller that swaps them for layers over the raw blocks."""
     f = _File(path, with_tensors=True)
     try:
         arch = _architecture(f)
@@ -439,6 +442,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
         types: dict[str, str] = {}
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
         by_type: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        lazy: dict[str, torch.Tensor] = {}
         for gname, hf in names.items():
             info = infos[gname]
             data = f.tensor_bytes(info)
@@ -453,14 +457,17 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False) -> GGUFCheckpoint:
                 data = data.reshape(info.shape[0], -1)[order].reshape(-1)
             tname = type_name(info.type_id)
             types[hf] = tname
-            by_type.setdefault(tname, []).append((hf, info.shape, data))
+            if keep_raw and tname in lazy_types and len(info.shape) == 2:
+                lazy[hf] = torch.empty(tuple(info.shape), device="meta")
+            else:
+                by_type.setdefault(tname, []).append((hf, info.shape, data))
             if keep_raw:
                 raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
             del data  # so close() below can release the mapping when nothing else views it
 
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
-        decoded: dict[str, torch.Tensor] = {}
+        decoded: dict[str, torch.Tensor] = dict(lazy)
         for tname, items in by_type.items():
             # q, k, v and gate, up side by side: the decoder fuses them, and adjacent pieces fuse as a view.
             items.sort(key=lambda it: _fusion_order(it[0]))

@@ -1,6 +1,7 @@
 """Turns --model / --load-format / --dtype / --device into a ModelConfig, a loaded Decoder and a tokenizer."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -8,7 +9,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
+from kvinfer import kernels
 from kvinfer.config import PRESETS, EngineConfig, ModelConfig, load_hf_config, preset_config
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.models.decoder import Decoder
@@ -28,22 +31,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: without them PyTorch emulates bf16 matmuls, ~60x slower than fp32 (README)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        # Measured on this project's 2-core AVX2 machines: a [1, 576] x [576, 1728] linear takes 0.19 ms in
-        # float32 and 12 ms in bfloat16, so bfloat16 is the default only where the CPU computes it natively.
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        # CPU: float32, the dtype of the batch-invariant kernels (quantised matmuls, paged attention, the fused
+        # decode step). Measured on the AVX-512 BF16 kind: bfloat16 made single-stream decode 4-5x slower (no
+        # quantised kernels) and on AVX2 PyTorch emulates bf16 matmuls (60x slower); --dtype bfloat16 is still
+        # there, on the eager path.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
 
@@ -90,8 +84,22 @@ def resolve_source(model: Optional[str], load_format: str) -> ModelSource:
     raise ModelLoadError(f"model path {model!r} is neither a file nor a directory")
 
 
+@contextlib.contextmanager
+def _no_weight_init():
+    """Skip nn.Linear / nn.Embedding's random init while the shape-only model is built: the weights are loaded
+    afterwards, and the init on the meta device imports torch._dynamo (2-3 s of start-up)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
 def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Decoder:
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = Decoder(cfg, max_positions)
     model = model.to_empty(device=device)
     # Buffers (RoPE tables, ALiBi slopes) are computed, not loaded: rebuild them on the real device.
@@ -163,16 +171,30 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
     max_positions = max_positions or cfg.max_position_embeddings
     tokenizer = None
     quant = False
+    quantized = 0
     if src.kind == "gguf":
         from kvinfer.loaders.gguf_loader import read_gguf
         from kvinfer.loaders.tokenizer import Tokenizer
 
         quant = _use_gguf_kernels(ecfg.quantization, device, dtype)
-        ckpt = read_gguf(src.path, keep_raw=quant)
+        # Batch-invariant, every batch reads the blocks: the matrices the kernels take are never dequantized.
+        lazy = frozenset(kernels.QTYPES) if quant and kernels.batch_invariant() else frozenset()
+        ckpt = read_gguf(src.path, keep_raw=quant, lazy_types=lazy)
         cfg = ckpt.config
         model = build_model(cfg, max_positions, torch.float32, device)
         load_into(model, cfg, ckpt.tensors.items())
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata)
+        if quant:
+            from kvinfer.models.quantize import quantize_from_gguf
+
+            quantized = quantize_from_gguf(model, ckpt.raw)
+            if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+                # A matrix the kernels could not take (mixed types in one fused projection): load it in float.
+                ckpt = read_gguf(src.path, keep_raw=True)
+                model = build_model(cfg, max_positions, torch.float32, device)
+                load_into(model, cfg, ckpt.tensors.items())
+                quantized = quantize_from_gguf(model, ckpt.raw)
+            del ckpt
     elif src.kind == "safetensors":
         from kvinfer.loaders.safetensors_loader import iter_safetensors
         from kvinfer.loaders.tokenizer import Tokenizer
@@ -191,16 +213,8 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
             tokenizer = Tokenizer.from_hf_dir(Path(ecfg.tokenizer))
     model = model.to(device=device, dtype=dtype)
     model.eval()
-    quantized = 0
-    if src.kind == "gguf" and quant:
-        from kvinfer.models.quantize import quantize_from_gguf
-
-        quantized = quantize_from_gguf(model, ckpt.raw)
-        del ckpt
-    elif ecfg.quantization == "gguf":
+    if ecfg.quantization == "gguf" and not quant:
         raise ValidationError("quantization", "gguf", "needs a GGUF model on the CPU in float32")
-    from kvinfer import kernels
-
     if device.type == "cpu" and dtype == torch.float32 and kernels.available() and kernels.batch_invariant():
         from kvinfer.models.quantize import use_kernel_linears
 

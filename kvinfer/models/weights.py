@@ -41,6 +41,8 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     The GGUF loader lays q, k, v (and gate, up) out adjacently, so fusing them costs no copy.
     """
     first = parts[0]
+    if all(p.is_meta for p in parts):  # shape-only placeholders (matrices kept as quantised blocks)
+        return torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=first.dtype, device="meta")
     adjacent = all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
                    and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts)
     if adjacent:
