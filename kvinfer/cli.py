@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> No
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
                    help=f"KV cache backend (default: {kv_default}); none recomputes every step")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache element type: auto (the model's dtype), int8 or fp8 (e4m3), each with a float32 "
+                        "scale per token and KV head: about a quarter of float32's bytes per token")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget fixed at start-up, e.g. 2GiB, 512MiB (default: 1GiB)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.0,
@@ -61,7 +64,8 @@ def engine_config_from_args(args):
     mem = parse_size(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                         quantization=args.quantization,
-                        kv_cache=args.kv_cache, block_size=args.block_size, kv_cache_memory=mem,
+                        kv_cache=args.kv_cache, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), block_size=args.block_size,
+                        kv_cache_memory=mem,
                         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,

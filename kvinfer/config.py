@@ -77,9 +77,9 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer, one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V, every layer, one token (an 8-bit cache adds a scale per row: scale_bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
     def num_parameters(self) -> int:
         """Parameter count from the shapes (used by the planner for weight bytes)."""
@@ -359,6 +359,13 @@ def preset_config(name: str) -> ModelConfig:
 
 
 KV_BACKENDS = ("paged", "contiguous", "none")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the model's dtype; int8 / fp8 (e4m3): 8 bits + a scale per row
+KV_GROUP = 32  # an 8-bit cache has a float32 scale per group of this many values of a row (or per row if D % 32)
+
+
+def kv_scale_bytes(head_dim: int) -> int:
+    """Bytes of scales per K or V row (one token, one kv head) of an 8-bit cache."""
+    return 4 * (head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1)
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -377,6 +384,7 @@ class EngineConfig:
     # auto: gguf for GGUF files on CPU in float32 when the kernels build, none otherwise.
     quantization: str = "auto"
     kv_cache: str = "paged"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes; None: derived from kv_cache_fraction
     kv_cache_fraction: float = 0.0  # of free memory, used when kv_cache_memory is None and > 0
@@ -392,6 +400,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache not in KV_BACKENDS:
             raise ValidationError("kv_cache", self.kv_cache, f"must be one of {', '.join(KV_BACKENDS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValidationError("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValidationError("dtype", self.dtype, f"must be one of auto, {', '.join(DTYPES)}")
         if self.device not in DEVICES:

@@ -255,13 +255,15 @@ def cmd_throughput(args) -> int:
                 prompt_tokens=prompt_tokens, ttft_mean=sum(ttft) / len(ttft), ttft_p99=percentile(ttft, 99),
                 tpot_mean=sum(t for t in tpot if t) / max(1, sum(1 for t in tpot if t)), tpot_p99=percentile(tpot, 99),
                 peak_blocks=eng.stats["peak_blocks"], total_blocks=eng.kv_manager.num_total_blocks,
+                kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token,
                 kv_utilisation=util, preemptions=eng.scheduler.num_preemptions,
                 peak_rss=rss_peak, weights_bytes=weights, kv_bytes=kv_budget,
                 overhead_bytes=rss_peak - weights - kv_budget)
     dtype = eng.loaded.dtype
     if not args.json:  # ours first, so a long peer run never hides them
         print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
-              f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}")
+              f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}, KV cache {eng.kv_dtype} "
+              f"({format_bytes(eng.kv_bytes_per_token)} per token)")
         print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
         print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")
         print(f"  TPOT mean/p99        {ours['tpot_mean'] * 1000:.1f} / {ours['tpot_p99'] * 1000:.1f} ms")

@@ -61,6 +61,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    kv_dtype: str = ""  # element type of the KV cache (float32, int8, fp8, ...)
+    kv_bytes_per_token: int = 0
     time: float = field(default_factory=time.time)
 
     @property
@@ -403,7 +405,8 @@ class AsyncLLMEngine:
             kv_blocks_used=kv.num_total_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_total_blocks,
             prefix_cache_hits=getattr(pool, "num_hits", 0), prefix_cache_queries=getattr(pool, "num_queries", 0),
             preemptions=eng.scheduler.num_preemptions, prompt_tokens=eng.stats["prompt_tokens"],
-            generation_tokens=eng.stats["generation_tokens"], steps=eng.stats["steps"])
+            generation_tokens=eng.stats["generation_tokens"], steps=eng.stats["steps"], kv_dtype=eng.kv_dtype,
+            kv_bytes_per_token=eng.kv_bytes_per_token)
 
 
 def _deliver(batch: list) -> None:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvinfer.config import EngineConfig
+from kvinfer.config import EngineConfig, kv_scale_bytes
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvinfer.errors import RequestTooLargeError, ValidationError
@@ -66,8 +66,12 @@ class LLMEngine:
             raise ValidationError("max_model_len", self.max_model_len,
                                   f"must be <= {mc.max_position_embeddings} for learned positions")
         dtype, device = self.loaded.dtype, self.loaded.device
-        esize = torch.empty((), dtype=dtype).element_size()
-        self.kv_bytes_per_token = mc.kv_bytes_per_token(esize)
+        kv_dtype = config.kv_cache_dtype if config.kv_cache != "none" else "auto"  # `none` keeps no K/V
+        if kv_dtype != "auto":  # 8-bit values and a float32 scale per token, kv head and K or V
+            self.kv_bytes_per_token = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
+        else:
+            self.kv_bytes_per_token = mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        self.kv_dtype = kv_dtype if kv_dtype != "auto" else str(dtype).replace("torch.", "")
         budget = self._kv_budget()
         kind = config.kv_cache
         if kind == "paged":
@@ -77,7 +81,8 @@ class LLMEngine:
                 raise ValidationError("kv_cache_memory", budget,
                                       f"too small for one block of {bs} tokens ({self.kv_bytes_per_token * bs} bytes)")
             self.kv_manager = PagedKVManager(num_blocks, bs, config.enable_prefix_caching)
-            self.kv_cache = PagedCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, device)
+            self.kv_cache = PagedCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, device,
+                                       kv_dtype)
         elif kind == "contiguous":
             per_slot = self.kv_bytes_per_token * self.max_model_len
             num_slots = min(budget // per_slot, config.max_num_seqs)
@@ -87,7 +92,7 @@ class LLMEngine:
                                       f"tokens ({format_bytes(per_slot)})")
             self.kv_manager = SlotManager(num_slots, self.max_model_len)
             self.kv_cache = ContiguousCache(mc.num_layers, num_slots, mc.num_kv_heads, self.max_model_len,
-                                            mc.head_dim, dtype, device)
+                                            mc.head_dim, dtype, device, kv_dtype)
         else:
             self.kv_manager = NullManager()
             self.kv_cache = NoCache(mc.num_layers, device, dtype)
@@ -95,8 +100,9 @@ class LLMEngine:
             self.kv_cache.alibi = self.loaded.model.alibi
         self.kv_cache.sliding_window = mc.sliding_window
         cap = self.kv_manager.token_capacity
-        log.info("KV cache: %s, %s (%s per token, %d %s, token capacity %d)", kind, format_bytes(self.kv_cache.nbytes),
-                 format_bytes(self.kv_bytes_per_token), self.kv_manager.num_total_blocks,
+        log.info("KV cache: %s, %s, %s (%s per token, %d %s, token capacity %d)", kind, self.kv_dtype,
+                 format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
+                 self.kv_manager.num_total_blocks,
                  f"blocks of {config.block_size}" if kind == "paged" else "slots", cap)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)

@@ -52,6 +52,9 @@ LEVEL_FLAGS = {
 # GGML type ids, as the C side takes them: quantised (32-element blocks) and float rows.
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+# KV cache element types: float32, or 8-bit values with a float32 scale per group of 32 values of a row.
+KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2}
+KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 = e4m3 bit patterns
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
            -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
@@ -125,23 +128,24 @@ _i64, _f32, _i32, _vp = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c
 
 
 class AttnJob(ctypes.Structure):
-    _fields_ = [(n, _vp) for n in ("q", "out", "k", "v", "tables", "tok_seq", "tok_pos", "slopes")] + \
+    _fields_ = [(n, _vp) for n in ("q", "out", "k", "v", "k_scale", "v_scale", "tables", "tok_seq", "tok_pos",
+                                   "slopes")] + \
                [(n, _i64) for n in ("T", "H", "KVH", "D", "BS", "NB", "table_stride", "q_stride", "out_stride",
                                     "block_stride", "tok_stride", "head_stride", "window")] + \
-               [("scale", _f32), ("nthreads", _i32)]
+               [("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)]
 
 
 class DecodeLayer(ctypes.Structure):
     _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")] + \
                [(n, _i64) for n in ("qkv_ldw", "o_ldw", "gate_up_ldw", "down_ldw")] + \
                [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
-               [("kpool", _vp), ("vpool", _vp)]
+               [(n, _vp) for n in ("kpool", "vpool", "kscale", "vscale")]
 
 
 class DecodeJob(ctypes.Structure):
     _fields_ = [(n, _vp) for n in ("x", "layers", "cos", "sin", "slots", "tables", "lens")] + \
                [(n, _i64) for n in ("B", "hidden", "H", "KVH", "D", "inter", "L", "T", "BS", "NB", "window")] + \
-               [("eps", _f32), ("scale", _f32), ("nthreads", _i32)]
+               [("eps", _f32), ("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)]
 
 
 _MATMUL_ARGS = ctypes.c_int64 * 12
@@ -159,6 +163,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_silu_mul_rows": ([vp, i64, i64, i64, vp, c_int], None),
         "kvq_gelu": ([vp, vp, i64, c_int, c_int], None),
         "kvq_rope_rows": ([vp, i64, i64, i64, i64, vp, vp, c_int], None),
+        "kvq_kv_store": ([vp, i64, i64, i64, i64, vp, i64, vp, vp, c_int], None),
+        "kvq_fp8_value": ([ctypes.c_uint8], ctypes.c_float),
         "kvq_level": ([], c_int),
         "kvq_max_threads": ([], c_int),
     }
@@ -239,16 +245,26 @@ class Kernels:
                   tok_seq: torch.Tensor, tok_pos: torch.Tensor, *, num_kv_heads: int, block_size: int,
                   num_blocks: int, strides: tuple[int, int, int], scale: float, out: Optional[torch.Tensor] = None,
                   alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                  num_threads: Optional[int] = None) -> torch.Tensor:
+                  num_threads: Optional[int] = None, kv_dtype: str = "float32",
+                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Query tokens q [T, H, D] (rows may be strided) attend to positions [first, tok_pos[t]] of sequence
         tok_seq[t], whose keys / values sit in k / v at table[p // block_size] * strides[0] + (p % block_size) *
-        strides[1] + kv_head * strides[2] (in floats). tables int64 [S, blocks]. Returns out [T, H, D]."""
+        strides[1] + kv_head * strides[2] (in elements). tables int64 [S, blocks]. Returns out [T, H, D].
+        kv_dtype int8 / fp8: k, v hold 8-bit values (torch.int8 / torch.uint8 e4m3 bits) and k_scale / v_scale
+        float32 the scale of each group of 32 values (of each row if D % 32) at the group's offset / its size."""
         T, H, D = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError(f"q must be float32 [T, H, D] with contiguous heads, got {q.dtype} {tuple(q.shape)}")
+        kvt = KV_DTYPES.get(kv_dtype)
+        if kvt is None:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+        want = torch.float32 if kvt == 0 else KV_STORAGE[kv_dtype]
         for name, t in (("k", k), ("v", v)):
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a float32 CPU tensor")
+            if t.dtype != want or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a {want} CPU tensor for a {kv_dtype} cache")
+        if kvt and (k_scale is None or v_scale is None or k_scale.dtype != torch.float32
+                    or v_scale.dtype != torch.float32):
+            raise ValueError("an 8-bit cache needs float32 k_scale and v_scale")
         for name, t in (("tables", tables), ("tok_seq", tok_seq), ("tok_pos", tok_pos)):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int64 tensor")
@@ -265,10 +281,11 @@ class Kernels:
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
             slopes = alibi_slopes.data_ptr()
-        job = AttnJob(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
+        job = AttnJob(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      k_scale.data_ptr() if kvt else None, v_scale.data_ptr() if kvt else None, tables.data_ptr(),
                       tok_seq.data_ptr(), tok_pos.data_ptr(), slopes, T, H, kvh, D, block_size, num_blocks,
                       tables.shape[1], q.stride(0) if T > 1 else H * D, out.stride(0) if T > 1 else H * D,
-                      strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads))
+                      strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads), kvt)
         _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
         return out
 
@@ -329,6 +346,21 @@ class Kernels:
             self.lib.kvq_rope_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(),
                                    sin.data_ptr(), nt)
         return True
+
+    def kv_store(self, x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, offsets: torch.Tensor,
+                 head_stride: int, kv_dtype: str) -> None:
+        """Quantise x [T, kv_heads, D] (float32, heads contiguous within a row) into an 8-bit cache: row t, head g
+        at element offsets[t] + g * head_stride of dst, each group's scale at its offset / group size."""
+        T, KVH, D = x.shape
+        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D:
+            x = x.contiguous()
+        offsets = offsets.to(torch.int64).contiguous()
+        self.lib.kvq_kv_store(x.data_ptr(), T, x.stride(0) if T > 1 else KVH * D, KVH, D, offsets.data_ptr(),
+                              head_stride, dst.data_ptr(), dst_scale.data_ptr(), KV_DTYPES[kv_dtype])
+
+    def fp8_values(self) -> torch.Tensor:
+        """The 256 e4m3 values, by bit pattern (NaN for 0x7f and 0xff)."""
+        return torch.tensor([self.lib.kvq_fp8_value(i) for i in range(256)], dtype=torch.float32)
 
     def decode_step(self, job: DecodeJob) -> None:
         _check(self.lib.kvq_decode_step(ctypes.byref(job)), "fused decode step")

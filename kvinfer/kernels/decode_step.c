@@ -42,11 +42,18 @@ int kvq_decode_step(const struct kvq_decode *d) {
             float *row = qkv + b * nqkv;
             kvq_rope(row, H, D, d->cos + b * (D / 2), d->sin + b * (D / 2));
             kvq_rope(row + qs, KVH, D, d->cos + b * (D / 2), d->sin + b * (D / 2));
-            memcpy(p->kpool + d->slots[b] * kvs, row + qs, sizeof(float) * (size_t)kvs);
-            memcpy(p->vpool + d->slots[b] * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+            if (d->kv_dtype == KV_F32) {
+                memcpy((float *)p->kpool + d->slots[b] * kvs, row + qs, sizeof(float) * (size_t)kvs);
+                memcpy((float *)p->vpool + d->slots[b] * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+            } else { /* the same quantisation as the eager path's store */
+                const int64_t off = d->slots[b] * kvs;
+                kvq_kv_store(row + qs, 1, nqkv, KVH, D, &off, D, p->kpool, p->kscale, d->kv_dtype);
+                kvq_kv_store(row + qs + kvs, 1, nqkv, KVH, D, &off, D, p->vpool, p->vscale, d->kv_dtype);
+            }
         }
-        const struct kvq_attn j = {qkv, att, p->kpool, p->vpool, d->tables, seq, pos, NULL, B, H, KVH, D, d->BS,
-                                   d->NB, d->T, nqkv, qs, d->BS * kvs, kvs, D, d->window, d->scale, d->nthreads};
+        const struct kvq_attn j = {qkv, att, p->kpool, p->vpool, p->kscale, p->vscale, d->tables, seq, pos, NULL,
+                                   B, H, KVH, D, d->BS, d->NB, d->T, nqkv, qs, d->BS * kvs, kvs, D, d->window,
+                                   d->scale, d->nthreads, d->kv_dtype};
         rc = kvq_attention(&j);
         if (rc) break;
         rc = kvq_matmul(att, B, qs, qs, p->o, hid, p->o_ldw, p->o_qt, NULL, y, hid, d->nthreads);

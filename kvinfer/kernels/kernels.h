@@ -8,6 +8,8 @@ enum {
     KVQ_OK = 0, KVQ_EBADTYPE = -1, KVQ_EBADSHAPE = -2, KVQ_ENOMEM = -4, KVQ_EROWBYTES = -5, KVQ_EBADBLOCK = -6
 };
 enum { QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_BF16 = 30 };
+/* KV cache element types: float32, or 8-bit values (int8, or fp8 e4m3) with a float32 scale per group of 32. */
+enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2 };
 
 /* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k] (+ bias[n]); W rows of ldw bytes of type qt. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
@@ -17,8 +19,10 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 struct kvq_attn {
     const float *q;          /* [T, q_stride]: each row starts with H * D query values */
     float *out;              /* [T, out_stride]: H * D values per row */
-    const float *k, *v;      /* cache bases: key/value of (block b, offset o, kv head g) at
+    const void *k, *v;       /* cache bases: key/value of (block b, offset o, kv head g) at element
                                 b * block_stride + o * tok_stride + g * head_stride */
+    const float *k_scale, *v_scale; /* 8-bit caches: the scale of each group of 32 values (or of D when D is not
+                                       a multiple of 32) at the group's offset / group size */
     const int64_t *tables;   /* [sequences, table_stride] block ids */
     const int64_t *tok_seq;  /* [T] the sequence (row of tables) of each query token */
     const int64_t *tok_pos;  /* [T] its position: it attends to positions [first, pos] */
@@ -26,9 +30,15 @@ struct kvq_attn {
     int64_t T, H, KVH, D, BS, NB, table_stride, q_stride, out_stride;
     int64_t block_stride, tok_stride, head_stride, window;
     float scale;
-    int32_t nthreads;
+    int32_t nthreads, kv_dtype;
 };
 int kvq_attention(const struct kvq_attn *j);
+
+/* Quantise T rows of KVH heads x D floats (row stride src_stride) into an 8-bit cache: row t, head g goes to
+ * element dst_off[t] + g * head_stride of dst, each group's scale to its element offset / group size. */
+void kvq_kv_store(const float *src, int64_t T, int64_t src_stride, int64_t KVH, int64_t D, const int64_t *dst_off,
+                  int64_t head_stride, void *dst, float *dst_scale, int kv_dtype);
+float kvq_fp8_value(uint8_t b);
 
 /* Row operations (rowops.c). */
 void kvq_rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps);
@@ -50,7 +60,8 @@ struct kvq_decode_layer {
     const uint8_t *qkv, *o, *gate_up, *down;
     int64_t qkv_ldw, o_ldw, gate_up_ldw, down_ldw;
     int32_t qkv_qt, o_qt, gate_up_qt, down_qt;
-    float *kpool, *vpool;
+    void *kpool, *vpool;
+    float *kscale, *vscale;  /* 8-bit caches only */
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */
@@ -59,7 +70,7 @@ struct kvq_decode {
     const int64_t *slots, *tables, *lens;      /* [B], [B, T], [B] */
     int64_t B, hidden, H, KVH, D, inter, L, T, BS, NB, window;
     float eps, scale;
-    int32_t nthreads;
+    int32_t nthreads, kv_dtype;
 };
 int kvq_decode_step(const struct kvq_decode *d);
 

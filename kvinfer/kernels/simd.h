@@ -91,6 +91,9 @@ static inline vf vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_lo
 static inline vf vf_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
 /* 32 int16 values of a quantised weight block, elements 0-15 in lo and 16-31 in hi. */
 typedef struct { __m256i lo, hi; } q32;
@@ -173,6 +176,7 @@ static inline float vf_hmax(vf v) {
 
 static inline vf vf_load_half(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_half(p[_l])); return r; }
 static inline vf vf_load_bf16(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_bf16(p[_l])); return r; }
+static inline vf vf_load_i8(const int8_t *p) { vf r; KVQ_L8(r.v[_l] = (float)p[_l]); return r; }
 
 typedef struct { int16_t q[32]; } q32;
 

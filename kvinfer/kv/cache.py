@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvinfer import kernels
+from kvinfer.config import kv_scale_bytes
 from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
 
 
@@ -28,7 +29,8 @@ class SeqSlice:
 def _zeros(shape, dtype, device) -> torch.Tensor:
     """A zero-filled cache tensor. On the CPU it comes from calloc (through numpy): the kernel maps zero pages
     lazily, so the budget is reserved at start-up but memory is only touched as blocks are first written."""
-    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8,
+                torch.uint8: np.uint8}.get(dtype)
     if torch.device(device).type == "cpu" and np_dtype is not None:
         return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -52,19 +54,50 @@ class _Backend:
     alibi: Optional[torch.Tensor] = None
     use_kernel = True  # tests switch it off to compare with the SDPA path
 
-    def __init__(self, num_layers: int, device, dtype=torch.float32):
+    def __init__(self, num_layers: int, device, dtype=torch.float32, kv_dtype: str = "auto"):
         self.num_layers = num_layers
         self.device = torch.device(device)
         self.dtype = dtype
+        # "float32"-like storage in the model's dtype, or an 8-bit cache (int8 / fp8) with per-row scales that
+        # only the attention kernel reads.
+        self.kv_dtype = kv_dtype if kv_dtype in kernels.KV_STORAGE else "auto"
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
         self.kv_computed = 0  # K/V projections computed, summed over tokens (one per token per layer pass)
         self._kernel_ok: Optional[bool] = None
+        if self.quantized and not self._kernel_usable():
+            raise ValueError(f"a {kv_dtype} KV cache needs the CPU kernels with float32 activations "
+                             f"({kernels.unavailable_reason() or f'device {self.device}, dtype {dtype}'})")
 
-    def _kernel_for(self, seqs: Sequence[SeqSlice]) -> bool:
-        if not self.use_kernel or not seqs:
-            return False
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    def _kernel_usable(self) -> bool:
         if self._kernel_ok is None:
             self._kernel_ok = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
-        return self._kernel_ok and (kernels.batch_invariant() or all(_is_decode(s) for s in seqs))
+        return self._kernel_ok
+
+    def _kernel_for(self, seqs: Sequence[SeqSlice]) -> bool:
+        if not seqs or not (self.use_kernel or self.quantized):  # an 8-bit cache is read by the kernel alone
+            return False
+        return self._kernel_usable() and (kernels.batch_invariant() or self.quantized
+                                          or all(_is_decode(s) for s in seqs))
+
+    def _alloc(self, shape) -> None:
+        """Per-layer K and V of `shape` (an 8-bit cache: int8 / e4m3 values plus a float32 scale per row)."""
+        store = kernels.KV_STORAGE[self.kv_dtype] if self.quantized else self.dtype
+        self.k = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
+        self.v = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
+        if self.quantized:  # a scale per group of KV_GROUP values of each row
+            sshape = (*shape[:-1], kv_scale_bytes(shape[-1]) // 4)
+            self.k_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
+            self.v_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
+
+    def _store_quantized(self, layer: int, k, v, offsets: torch.Tensor, head_stride: int) -> None:
+        lib = kernels.active()
+        lib.kv_store(k, self.k[layer], self.k_scale[layer], offsets, head_stride, self.kv_dtype)
+        lib.kv_store(v, self.v[layer], self.v_scale[layer], offsets, head_stride, self.kv_dtype)
 
     def _kernel_md(self, seqs: Sequence[SeqSlice], tables: torch.Tensor, block_size: int,
                    num_blocks: int) -> KernelAttn:
@@ -84,14 +117,18 @@ class _Backend:
         """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
         km = md.kernel
         keys, values, strides, kvh = self._kernel_kv(layer, k, v)
+        q8 = self.quantized and keys is self.k[layer]  # (the none backend attends to its fresh float K/V)
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
-                                 block_size=km.block_size,
-                                 num_blocks=km.num_blocks, strides=strides, scale=scale, alibi_slopes=self.alibi,
-                                 sliding_window=self.sliding_window)
+                                 block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
+                                 alibi_slopes=self.alibi, sliding_window=self.sliding_window,
+                                 kv_dtype=self.kv_dtype if q8 else "float32",
+                                 k_scale=self.k_scale[layer] if q8 else None,
+                                 v_scale=self.v_scale[layer] if q8 else None)
 
     @property
     def nbytes(self) -> int:
-        return 0
+        return sum(t.numel() * t.element_size() for t in getattr(self, "k", []) + getattr(self, "v", [])
+                   + self.k_scale + self.v_scale)
 
     def _mask_group(self, g: AttnGroup, q_pos: torch.Tensor, lens: torch.Tensor, plain_causal: bool) -> AttnGroup:
         if plain_causal and self.sliding_window is None and self.alibi is None:
@@ -166,17 +203,11 @@ class ContiguousCache(_Backend):
 
     name = "contiguous"
 
-    def __init__(self, num_layers, num_slots, num_kv_heads, max_len, head_dim, dtype, device):
-        super().__init__(num_layers, device, dtype)
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+    def __init__(self, num_layers, num_slots, num_kv_heads, max_len, head_dim, dtype, device, kv_dtype="auto"):
+        super().__init__(num_layers, device, dtype, kv_dtype)
+        self._alloc((num_slots, num_kv_heads, max_len, head_dim))
         self.max_len = max_len
         self.num_slots = num_slots
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def prepare(self, seqs: Sequence[SeqSlice]) -> AttentionMetadata:
         groups, tok = [], 0
@@ -207,6 +238,10 @@ class ContiguousCache(_Backend):
 
     def store(self, layer, k, v, md) -> None:
         super().store(layer, k, v, md)
+        if self.quantized:  # element offset of (slot, head 0, position) in [slots, kv_heads, max_len, dim]
+            _, kvh, max_len, d = self.k[layer].shape
+            self._store_quantized(layer, k, v, (md.slot_ids * kvh * max_len + md.positions) * d, max_len * d)
+            return
         self.k[layer][md.slot_ids, :, md.positions] = k  # [tokens, kv_heads, dim] into the textbook layout
         self.v[layer][md.slot_ids, :, md.positions] = v
 
@@ -233,19 +268,13 @@ class PagedCache(_Backend):
 
     name = "paged"
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        super().__init__(num_layers, device, dtype)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype="auto"):
+        super().__init__(num_layers, device, dtype, kv_dtype)
+        self._alloc((num_blocks, block_size, num_kv_heads, head_dim))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def _kernel_kv(self, layer, k, v):
         row = self.num_kv_heads * self.head_dim
@@ -290,6 +319,10 @@ class PagedCache(_Backend):
 
     def store(self, layer, k, v, md) -> None:
         super().store(layer, k, v, md)
+        if self.quantized:
+            row = self.num_kv_heads * self.head_dim
+            self._store_quantized(layer, k, v, md.slot_mapping * row, self.head_dim)
+            return
         kf = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)  # [slots, kv_heads, dim]
         vf = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k)
@@ -315,6 +348,5 @@ class PagedCache(_Backend):
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for layer in range(self.num_layers):
-            self.k[layer][dst] = self.k[layer][src]
-            self.v[layer][dst] = self.v[layer][src]
+        for t in self.k + self.v + self.k_scale + self.v_scale:
+            t[dst] = t[src]

@@ -63,6 +63,8 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
                    help="context window each request may reach (default: the model's)")
     p.add_argument("--dtype", default="float16", choices=_DTYPES, help="weights and KV dtype (default float16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per row)")
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     p.add_argument("--tp", type=_positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--workload", default=None,
@@ -91,6 +93,8 @@ def register(sub) -> None:
                    help="shapes for KV sizing: preset, HF directory, config.json or GGUF (default: built-in)")
     s.add_argument("--dtype", default="auto", choices=("auto",) + _DTYPES,
                    help="KV dtype (default auto: what the engine picks on this machine)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per row)")
     s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB (default: the engine's 1GiB)")
     s.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     s.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
@@ -147,7 +151,8 @@ def cmd_plan(args) -> int:
     cfg, label = resolve_model_config(args.model)
     max_len = args.max_model_len or cfg.max_position_embeddings
     workload = parse_workload(args.workload, max_len)
-    plan = make_plan(cfg, memory, max_len, args.dtype, args.block_size, args.tp, workload, label, args.concurrent)
+    plan = make_plan(cfg, memory, max_len, args.dtype, args.block_size, args.tp, workload, label, args.concurrent,
+                     args.kv_cache_dtype)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
 
@@ -185,12 +190,14 @@ def cmd_simulate(args) -> int:
         trace = sim.synthetic_trace(n, args.seed, mc.vocab_size)
         trace_label = f"synthetic: {n} requests, prompt 16-512, output 16-256, all at t=0, seed {args.seed}"
     max_len = args.max_model_len or mc.max_position_embeddings
-    cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, block_size=args.block_size, max_model_len=max_len,
+    cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                        block_size=args.block_size, max_model_len=max_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed)
     runs = sim.run_simulation(trace, mc, cfg, cost, compare_contiguous=not args.no_compare)
-    report = dict(model=label, dtype=args.dtype, kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,
+    report = dict(model=label, dtype=args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                  kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,
                   cost_model=dict(a=cost.a, b=cost.b, c=cost.c, d=cost.d, source=cost.source),
                   results={k: sim.summarize(r) for k, r in runs.items()})
     if samples is not None:

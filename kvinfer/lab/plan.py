@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvinfer.config import PRESETS, ModelConfig, load_hf_config, preset_config
+from kvinfer.config import KV_CACHE_DTYPES, kv_scale_bytes, PRESETS, ModelConfig, load_hf_config, preset_config
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.utils import format_bytes
 
@@ -161,10 +161,12 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
 
 def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "float16", block_size: int = 16,
               tp: int = 1, workload: Optional[Workload] = None, model_label: str = "",
-              concurrent: int = 8) -> dict:
+              concurrent: int = 8, kv_cache_dtype: str = "auto") -> dict:
     """Every number of the plan, per device; plain data so --json and the text view print the same thing."""
     if dtype not in DTYPE_BYTES:
         raise ValidationError("dtype", dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValidationError("kv_cache_dtype", kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
     if memory <= 0:
         raise ValidationError("memory", memory, "must be > 0 bytes")
     if max_model_len < 1:
@@ -176,7 +178,11 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
     workload = workload or parse_workload(None, max_model_len)
     dbytes = DTYPE_BYTES[dtype]
     kv_heads = kv_heads_per_device(cfg, tp)
-    kv_per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * dbytes
+    # An 8-bit cache: one byte per value plus a float32 scale per group of 32 values of a K or V row.
+    kv_dbytes, scale_bytes = (dbytes, 0) if kv_cache_dtype == "auto" else (1, kv_scale_bytes(cfg.head_dim))
+    kv_values = 2 * cfg.num_layers * kv_heads * cfg.head_dim * kv_dbytes
+    kv_scales = 2 * cfg.num_layers * kv_heads * scale_bytes
+    kv_per_token = kv_values + kv_scales
     params = cfg.num_parameters()
     weight_bytes = math.ceil(params * dbytes / tp)
     per_request = kv_per_token * max_model_len
@@ -201,6 +207,8 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
         model=model_label, architecture=cfg.architecture, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, kv_heads_per_device=kv_heads, head_dim=cfg.head_dim,
         dtype=dtype, dtype_bytes=dbytes, block_size=block_size, tp=tp, memory_bytes=memory,
+        kv_cache_dtype=dtype if kv_cache_dtype == "auto" else kv_cache_dtype, kv_dtype_bytes=kv_dbytes,
+        kv_value_bytes_per_token=kv_values, kv_scale_bytes_per_token=kv_scales,
         max_model_len=max_model_len, num_parameters=params,
         kv_bytes_per_token=kv_per_token, kv_bytes_per_request=per_request,
         weight_bytes=weight_bytes, kv_budget_bytes=kv_budget, weights_fit=kv_budget > 0,
@@ -229,11 +237,14 @@ def format_plan(p: dict) -> str:
     lines = [
         f"Model      {p['model']}: {p['architecture']}, {p['num_layers']} layers, {p['num_heads']} heads, "
         f"{p['num_kv_heads']} KV heads x {p['head_dim']} dims, {p['num_parameters'] / 1e9:.2f} B parameters",
-        f"Setting    {p['dtype']} ({p['dtype_bytes']} bytes), memory {gib(p['memory_bytes'])} per device, "
-        f"max_model_len {p['max_model_len']}, block size {p['block_size']}, tensor parallel {p['tp']}",
+        f"Setting    {p['dtype']} ({p['dtype_bytes']} bytes), KV cache {p['kv_cache_dtype']}, memory "
+        f"{gib(p['memory_bytes'])} per device, max_model_len {p['max_model_len']}, block size {p['block_size']}, "
+        f"tensor parallel {p['tp']}",
         "",
         f"KV per token            {p['kv_bytes_per_token']:,} B ({gib(p['kv_bytes_per_token'])}) = 2 (K,V) x "
-        f"{p['num_layers']} layers x {p['kv_heads_per_device']} KV heads x {p['head_dim']} x {p['dtype_bytes']} B",
+        f"{p['num_layers']} layers x {p['kv_heads_per_device']} KV heads x {p['head_dim']} x {p['kv_dtype_bytes']} B"
+        + (f" + {p['kv_scale_bytes_per_token']:,} B of scales (one float32 per 32 values)"
+           if p['kv_scale_bytes_per_token'] else ""),
         f"KV per request          {gib(p['kv_bytes_per_request'])} at {p['max_model_len']} tokens",
         f"Weights                 {gib(p['weight_bytes'])} ({p['num_parameters']:,} x {p['dtype_bytes']} B"
         + (f" / {p['tp']} devices)" if p['tp'] > 1 else ")"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from kvinfer.config import ModelConfig
+from kvinfer.config import ModelConfig, kv_scale_bytes
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.kv.manager import PagedKVManager, SlotManager
 from kvinfer.request import Request
@@ -285,6 +285,7 @@ def synthetic_trace(num_requests: int = 64, seed: int = 0, vocab_size: int = 491
 class SimConfig:
     kv_cache_memory: int
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # auto (dtype) | int8 | fp8 (8 bits + a float32 scale per row)
     kv_cache: str = "paged"
     block_size: int = 16
     max_model_len: Optional[int] = None  # None: the model's
@@ -334,7 +335,10 @@ class SimResult:
 
 
 def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
-    bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
+    if cfg.kv_cache_dtype == "auto":
+        bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
+    else:
+        bpt = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
     if cfg.kv_cache == "paged":
         num_blocks = cfg.kv_cache_memory // (bpt * cfg.block_size)
         if num_blocks < 1:

@@ -23,8 +23,8 @@ def unsupported_reason(model, backend) -> Optional[str]:
     cfg = model.cfg
     if backend.name != "paged":
         return f"the {backend.name} backend (paged only)"
-    if backend.device.type != "cpu" or backend.k[0].dtype != torch.float32:
-        return "KV cache not float32 on CPU"
+    if backend.device.type != "cpu" or (backend.k[0].dtype != torch.float32 and not backend.quantized):
+        return "KV cache neither float32 nor 8-bit on CPU"
     if not kernels.available():
         return kernels.unavailable_reason()
     if cfg.position != "rope" or cfg.norm != "rms" or cfg.mlp != "swiglu":
@@ -65,6 +65,8 @@ class FusedDecode:
                 setattr(e, f"{name}_ldw", lin.raw.stride(0))
                 setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
             e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
+            if backend.quantized:
+                e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()
         self.layers = layers
         self.scale = cfg.head_dim ** -0.5
         self._ptrs = self._current_ptrs()
@@ -95,7 +97,8 @@ class FusedDecode:
                                 slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0], cfg.hidden_size,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                 cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks, kv.sliding_window or 0,
-                                cfg.norm_eps, self.scale, torch.get_num_threads())
+                                cfg.norm_eps, self.scale, torch.get_num_threads(),
+                                kernels.KV_DTYPES.get(kv.kv_dtype, 0))
         kernels.decode_step(job)
         kv.kv_computed += x.shape[0] * cfg.num_layers
         return model.norm(x)

@@ -48,6 +48,10 @@ class _EngineCollector:
         yield self._counter("kvinfer_prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens)
         yield self._counter("kvinfer_generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._counter("kvinfer_engine_steps", "Engine steps run.", s.steps)
+        g = GaugeMetricFamily("kvinfer_kv_cache_bytes_per_token", "KV cache bytes per token (K and V, all layers), "
+                              "by the cache's element type.", labels=[*self._labels, "kv_dtype"])
+        g.add_metric([*self._labels.values(), s.kv_dtype], s.kv_bytes_per_token)
+        yield g
 
 
 class ServerMetrics:
