@@ -193,3 +193,11 @@ def test_llama_bench_peer_reads_pp_and_tg(fake_llama_bench, monkeypatch):
     monkeypatch.setenv("LLAMA_BENCH", str(fake_llama_bench))
     assert find_binary(None, "LLAMA_BENCH", "llama-bench") == str(fake_llama_bench)
     assert find_binary("/nonexistent/llama-bench", "LLAMA_BENCH", "llama-bench") is None
+
+
+def test_bench_exact_counts_bitwise_identical_requests(tiny_llama_dir, capsys):
+    assert main(["bench", "exact", "--model", tiny_llama_dir, "--prompts", "2", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "small KV budget (preemption)" in out and "none backend" in out
+    last = out.strip().splitlines()[-1].split()
+    assert last[0] == "all" and last[1] == "14/14" and last[2] == "14/14"

@@ -81,6 +81,9 @@ def register(sub) -> None:
     add_engine_args(t)
     t.set_defaults(func=cmd_throughput)
 
+    from kvinfer.bench.exact import register_exact
+
+    register_exact(bs)
     try:
         from kvinfer.bench.serve import register_serve
     except ImportError:
