@@ -156,3 +156,36 @@ def test_thread_count_does_not_change_a_bit(builtin_llm):
     finally:
         torch.set_num_threads(n)
     assert one == two
+
+
+def test_every_isa_level_gives_the_same_bits_end_to_end(tiny_llama_dir):
+    # The portable level and the vector levels perform the same IEEE operations lane for lane: a whole
+    # generation (prefill, decode, sampling with a seed) matches bit for bit.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from kvinfer import LLM, SamplingParams, kernels\n"
+        f"llm = LLM({tiny_llama_dir!r}, dtype='float32', kv_cache_memory=1 << 20, block_size=4)\n"
+        "ps = [[5, 9, 13, 2, 77, 31, 8], [100, 101, 102]]\n"
+        "sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),\n"
+        "      SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)]\n"
+        "outs = llm.generate(ps, sp, use_tqdm=False)\n"
+        "print(json.dumps([kernels.level(), [[list(o.outputs[0].token_ids),\n"
+        "      [lp.logprob.hex() for lp in o.outputs[0].logprobs]] for o in outs]]))\n")
+    runs = {}
+    levels = [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+    for lv in levels:
+        env = dict(os.environ, KVINFER_ISA=lv)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        level, result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert level == lv
+        runs[lv] = result
+    assert len(runs) >= 2
+    first = runs[levels[0]]
+    for lv in levels[1:]:
+        assert runs[lv] == first, lv
