@@ -422,6 +422,8 @@ class EngineConfig:
             raise ValidationError("max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValidationError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        if not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValidationError("seed", self.seed, "must be an integer that fits in 64 bits")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValidationError("num_threads", self.num_threads, "must be >= 1")
 

@@ -9,13 +9,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvinfer.config import EngineConfig, kv_scale_bytes
+from kvinfer.config import EngineConfig, ModelConfig, kv_scale_bytes
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvinfer.errors import RequestTooLargeError, ValidationError
+from kvinfer.errors import ModelLoadError, RequestTooLargeError, ValidationError
 from kvinfer.kv.cache import ContiguousCache, NoCache, PagedCache
 from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
-from kvinfer.loaders.model_loader import LoadedModel, load_model
+from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
+                                          resolve_dtype, resolve_source)
 from kvinfer.request import Request, RequestStatus
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
@@ -47,6 +48,88 @@ class _Group:
     finished_reported: bool = False
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on `device` without swapping or the kernel's OOM killer."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _kv_budget(config: EngineConfig) -> int:
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    if config.kv_cache_fraction:
+        import psutil
+
+        return int(psutil.virtual_memory().available * config.kv_cache_fraction)
+    return DEFAULT_KV_CACHE_MEMORY
+
+
+def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The context window: the model's unless given, never beyond the positions the model has tables for."""
+    n = config.max_model_len or mc.max_position_embeddings
+    # RoPE tables and learned position embeddings stop at max_position_embeddings (already scaled by any
+    # rope_scaling in the config); ALiBi has no table to outgrow.
+    if n > mc.max_position_embeddings and mc.position != "alibi":
+        raise ValidationError("max_model_len", n, f"must be <= {mc.max_position_embeddings}, the positions this "
+                                                  f"model supports ({mc.position} max_position_embeddings)")
+    return n
+
+
+def kv_bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+    if config.kv_cache != "none" and config.kv_cache_dtype != "auto":
+        # 8-bit values and a float32 scale per token, kv head and K or V
+        return mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
+    return mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def kv_layout(config: EngineConfig, bytes_per_token: int, max_model_len: int, budget: int) -> tuple[int, int]:
+    """(blocks or slots, bytes) the KV cache gets from `budget`; raises if not even one fits."""
+    if config.kv_cache == "paged":
+        block = bytes_per_token * config.block_size
+        count = budget // block
+        if count < 1:
+            raise ValidationError("kv_cache_memory", budget,
+                                  f"too small for one block of {config.block_size} tokens ({block} bytes)")
+        return count, count * block
+    if config.kv_cache == "contiguous":
+        per_slot = bytes_per_token * max_model_len
+        count = min(budget // per_slot, config.max_num_seqs)
+        if count < 1:
+            raise ValidationError("kv_cache_memory", budget,
+                                  f"too small for one contiguous slot of max_model_len={max_model_len} "
+                                  f"tokens ({format_bytes(per_slot)})")
+        return count, count * per_slot
+    return 0, 0
+
+
+def check_startup(config: EngineConfig) -> ModelSource:
+    """Refuse, from the flags and the model's metadata alone, what would fail or exhaust memory later: the
+    weights and the KV cache must fit in the memory available now ("never an OOM" starts here)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    src = resolve_source(config.model, config.load_format)
+    check_source(config, src)
+    mc = src.config
+    max_len = resolve_max_model_len(config, mc)
+    _, kv_bytes = kv_layout(config, kv_bytes_per_token(config, mc, dtype), max_len, _kv_budget(config))
+    # Every loader materialises the decoder in float32 before casting or quantising it: that is the peak.
+    weight_bytes = mc.num_parameters() * 4
+    free = available_memory(device)
+    where = "GPU memory free" if device.type == "cuda" else "memory available"
+    if weight_bytes > free:
+        raise ModelLoadError(f"the weights of {config.model or 'the built-in model'} need about "
+                             f"{format_bytes(weight_bytes)} to load, more than the {format_bytes(free)} of {where}")
+    if weight_bytes + kv_bytes > free:
+        raise ValidationError("kv_cache_memory", format_bytes(kv_bytes),
+                              f"the KV cache ({format_bytes(kv_bytes)}) plus the weights (about "
+                              f"{format_bytes(weight_bytes)}) need more than the {format_bytes(free)} of {where}; "
+                              f"lower --kv-cache-memory")
+    return src
+
+
 def _child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 6364136223846793005 + index * 1442695040888963407) % (1 << 63)
 
@@ -56,42 +139,26 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
+        source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded or load_model(config)
+        self.loaded = loaded or load_model(config, source=source)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings and mc.position == "learned":
-            raise ValidationError("max_model_len", self.max_model_len,
-                                  f"must be <= {mc.max_position_embeddings} for learned positions")
+        self.max_model_len = resolve_max_model_len(config, mc)
         dtype, device = self.loaded.dtype, self.loaded.device
         kv_dtype = config.kv_cache_dtype if config.kv_cache != "none" else "auto"  # `none` keeps no K/V
-        if kv_dtype != "auto":  # 8-bit values and a float32 scale per token, kv head and K or V
-            self.kv_bytes_per_token = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
-        else:
-            self.kv_bytes_per_token = mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        self.kv_bytes_per_token = kv_bytes_per_token(config, mc, dtype)
         self.kv_dtype = kv_dtype if kv_dtype != "auto" else str(dtype).replace("torch.", "")
-        budget = self._kv_budget()
         kind = config.kv_cache
+        count, _ = kv_layout(config, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config))
         if kind == "paged":
-            bs = config.block_size
-            num_blocks = budget // (self.kv_bytes_per_token * bs)
-            if num_blocks < 1:
-                raise ValidationError("kv_cache_memory", budget,
-                                      f"too small for one block of {bs} tokens ({self.kv_bytes_per_token * bs} bytes)")
-            self.kv_manager = PagedKVManager(num_blocks, bs, config.enable_prefix_caching)
-            self.kv_cache = PagedCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, device,
-                                       kv_dtype)
+            self.kv_manager = PagedKVManager(count, config.block_size, config.enable_prefix_caching)
+            self.kv_cache = PagedCache(mc.num_layers, count, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                       dtype, device, kv_dtype)
         elif kind == "contiguous":
-            per_slot = self.kv_bytes_per_token * self.max_model_len
-            num_slots = min(budget // per_slot, config.max_num_seqs)
-            if num_slots < 1:
-                raise ValidationError("kv_cache_memory", budget,
-                                      f"too small for one contiguous slot of max_model_len={self.max_model_len} "
-                                      f"tokens ({format_bytes(per_slot)})")
-            self.kv_manager = SlotManager(num_slots, self.max_model_len)
-            self.kv_cache = ContiguousCache(mc.num_layers, num_slots, mc.num_kv_heads, self.max_model_len,
+            self.kv_manager = SlotManager(count, self.max_model_len)
+            self.kv_cache = ContiguousCache(mc.num_layers, count, mc.num_kv_heads, self.max_model_len,
                                             mc.head_dim, dtype, device, kv_dtype)
         else:
             self.kv_manager = NullManager()
@@ -114,14 +181,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0)
 
-    def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory:
-            return self.config.kv_cache_memory
-        if self.config.kv_cache_fraction:
-            import psutil
-
-            return int(psutil.virtual_memory().available * self.config.kv_cache_fraction)
-        return DEFAULT_KV_CACHE_MEMORY
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
+        limit = self.max_model_len
+        if self.kv_manager.kind == "paged":
+            limit = min(limit, self.kv_manager.token_capacity)
+        return limit - num_prompt_tokens
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
@@ -145,11 +210,12 @@ class LLMEngine:
             raise ValidationError("request_id", request_id, "is already in use")
         text, ids = self.tokenize_prompt(prompt)
         vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValidationError("stop_token_ids", bad, f"token ids must be in [0, {vocab})")
+        for param, ids_ in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids_ if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValidationError(param, bad, f"token ids must be in [0, {vocab})")
         if params.max_tokens is None:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_model_len - len(ids))})
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_new_tokens(len(ids)))})
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         reqs = []
         for i in range(params.n):

@@ -162,11 +162,22 @@ class LoadedModel:
     quantized_modules: int = 0  # linears (and embedding) running on GGUF blocks with kvinfer's kernels
 
 
-def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> LoadedModel:
+def check_source(ecfg: EngineConfig, src: ModelSource) -> None:
+    """What can be refused from the flags and the model's metadata alone, before any weight is read."""
+    if ecfg.quantization == "gguf" and src.kind != "gguf":
+        raise ValidationError("quantization", "gguf", f"needs a GGUF model; {ecfg.model} is loaded as {src.kind}")
+    if ecfg.tokenizer is not None and not (Path(ecfg.tokenizer) / "tokenizer.json").is_file():
+        what = "does not exist" if not Path(ecfg.tokenizer).exists() else "has no tokenizer.json"
+        raise ValidationError("tokenizer", ecfg.tokenizer, f"{what} (it must be a directory with tokenizer.json)")
+
+
+def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
+               source: Optional[ModelSource] = None) -> LoadedModel:
     t0 = time.perf_counter()
     device = resolve_device(ecfg.device)
     dtype = resolve_dtype(ecfg.dtype, device)
-    src = resolve_source(ecfg.model, ecfg.load_format)
+    src = source or resolve_source(ecfg.model, ecfg.load_format)
+    check_source(ecfg, src)
     cfg = src.config
     max_positions = max_positions or cfg.max_position_embeddings
     tokenizer = None
@@ -183,7 +194,9 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None) -> Loade
         cfg = ckpt.config
         model = build_model(cfg, max_positions, torch.float32, device)
         load_into(model, cfg, ckpt.tensors.items())
-        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata)
+        # An explicit --tokenizer wins over the one embedded in the GGUF.
+        tokenizer = Tokenizer.from_hf_dir(Path(ecfg.tokenizer)) if ecfg.tokenizer else \
+            Tokenizer.from_gguf_metadata(ckpt.metadata)
         if quant:
             from kvinfer.models.quantize import quantize_from_gguf
 
