@@ -20,9 +20,10 @@ class IncrementalDetokenizer:
       * `_emitted` counts the characters of `decode(ids[window_start:])` already handed out.
     A trailing run of U+FFFD is held back: it is what an unfinished multi-byte character decodes to,
     and it either turns into the real character once the next bytes arrive or, if the bytes really are
-    invalid, shows up in the full decode too and is emitted then (or at flush()).
+    invalid, is emitted once a real character follows; flush() drops a run still trailing at the end.
 
-    The joined deltas equal `tokenizer.decode(all_output_ids, skip_special_tokens)`. The prompt is not
+    The joined deltas equal `tokenizer.decode(all_output_ids, skip_special_tokens)` without its trailing
+    U+FFFD run (an incomplete last character). The prompt is not
     used as decoding context: with SentencePiece it would keep the first output token's leading space,
     which decode(output_ids) strips.
     """
@@ -66,9 +67,12 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Emit whatever is still held back (e.g. bytes that never completed a character)."""
+        """Emit whatever is still held back, at the end of the sequence. A trailing run of U+FFFD is dropped:
+        it is a character whose remaining bytes were never generated (e.g. max_tokens cut an emoji in two),
+        and a half character is no character, not a replacement sign."""
         window = self._decode(self._window_start)
-        delta = window[self._emitted:]
+        end = len(window.rstrip(_REPLACEMENT))
+        delta = window[self._emitted:end] if end > self._emitted else ""
         self._emitted = len(window)
         if delta:
             self._text_parts.append(delta)
