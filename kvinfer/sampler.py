@@ -61,7 +61,8 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [n, vocab] float32, one row per entry of `rows`."""
-        simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids for r in rows)
+        simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids and not r.params.logit_bias
+                     for r in rows)
         raw = logits
         if simple:
             tokens = logits.argmax(dim=-1).tolist()
@@ -69,6 +70,9 @@ class Sampler:
             tokens = []
             for i, r in enumerate(rows):
                 row = logits[i].clone()
+                if r.params.logit_bias:  # added to the raw logits, before penalties and temperature (as vLLM)
+                    ids, bias = zip(*r.params.logit_bias.items())
+                    row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
                 if r.banned_ids:
                     row[torch.tensor(list(r.banned_ids), dtype=torch.long)] = float("-inf")
                 if r.params.uses_penalties:

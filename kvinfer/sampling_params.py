@@ -9,6 +9,9 @@ from kvinfer.errors import ValidationError
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on biased tokens per request
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -32,10 +35,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-k logprobs per generated token
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict] = None  # token id -> value added to its logit before sampling (OpenAI's logit_bias)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -72,14 +77,20 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            bad("logit_bias", f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for t, v in self.logit_bias.items():
+            if not is_int(t) or t < 0 or not is_num(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must map token ids (integers >= 0) to numbers in "
+                                  f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {t!r}: {v!r}")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvinfer.errors import RequestTooLargeError
+from kvinfer.errors import RequestTooLargeError, ValidationError
 from kvinfer.request import Request, RequestStatus
 
 
@@ -64,7 +64,7 @@ class Scheduler:
         """Reject at once a request that can never run, so the engine keeps serving the others."""
         total = req.num_prompt_tokens + (req.params.max_tokens or 0)
         if req.num_prompt_tokens == 0:
-            raise RequestTooLargeError("the prompt is empty; give at least one token", "prompt")
+            raise ValidationError("prompt", "", "is empty; give at least one token")
         if req.num_prompt_tokens >= self.cfg.max_model_len:
             raise RequestTooLargeError(
                 f"the prompt has {req.num_prompt_tokens} tokens; the context window (max_model_len) is "

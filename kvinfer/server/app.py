@@ -234,6 +234,8 @@ class _Server:
                 raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                                param="stop_token_ids")
             kw["stop_token_ids"] = body.stop_token_ids
+        if body.logit_bias:
+            kw["logit_bias"] = _logit_bias(body.logit_bias, self.vocab_size)
         return SamplingParams(**kw)
 
     async def admit(self, prompts: list, params: SamplingParams, prefix: str) -> RequestStream:
@@ -308,6 +310,21 @@ class _Server:
                 top.append({"token": ts, "logprob": _lp(v), "bytes": tb})
             content.append({"token": s, "logprob": _lp(lp.logprob), "bytes": b, "top_logprobs": top})
         return {"content": content}
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's JSON keys are token ids as strings."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise APIError(400, f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        out[tid] = value
+    return out
 
 
 def _prompts_of(prompt) -> list:

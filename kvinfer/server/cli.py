@@ -10,14 +10,17 @@ DEFAULT_MAX_BODY = "4MiB"
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    from kvinfer.cli import int_at_least
+
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--port", type=int_at_least("--port", 0, 65535), default=8000,
+                   help="TCP port (default 8000; 0 picks a free one)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the model file or directory name)")
-    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    g.add_argument("--max-queue", type=int_at_least("--max-queue", 0), default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
     g.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY,
@@ -36,6 +39,28 @@ def register(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def bind_socket(host: str, port: int):
+    """A listening-ready socket on host:port, or a one-line error naming what is wrong with them."""
+    import socket
+
+    from kvinfer.errors import ValidationError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValidationError("host", host, f"is not an address of this machine ({getattr(e, 'strerror', e)})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValidationError("port", port, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def cmd_serve(args) -> int:
     from kvinfer.cli import engine_config_from_args
     from kvinfer.errors import ValidationError
@@ -47,6 +72,7 @@ def cmd_serve(args) -> int:
         raise ValidationError("port", args.port, "must be in [0, 65535]")
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
     config = engine_config_from_args(args)
+    sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails at once, in one line
 
     import uvicorn
 
@@ -59,10 +85,13 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
-    print(f"kvinfer: serving {name!r} on http://{args.host}:{args.port} (OpenAI API at /v1)", file=sys.stderr)
+    port = sock.getsockname()[1]
+    print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1)", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                    timeout_graceful_shutdown=10, access_log=args.log_level in ("debug", "info"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
+                                               timeout_graceful_shutdown=10,
+                                               access_log=args.log_level in ("debug", "info")))
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was already graceful
         pass
     finally:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvinfer.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -48,6 +49,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit before sampling")
 
 
 class CompletionRequest(_SamplingFields):
@@ -75,6 +78,30 @@ class ChatMessage(BaseModel):
     role: Role
     content: Union[None, str, list[TextPart]] = None
     name: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        # Checked before the union is tried, so the answer says what is unsupported instead of listing the
+        # union's branches.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "image", "input_image"):
+                raise PydanticCustomError("unsupported_content",
+                                          "images are not supported (this model reads text only)")
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("unsupported_content",
+                                          "content parts of type '{kind}' are not supported (only 'text')",
+                                          {"kind": kind})
+        return content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _needs_content(cls, data):
+        # OpenAI lets only an assistant message that carries tool_calls leave content out.
+        if isinstance(data, dict) and data.get("content") is None and not data.get("tool_calls"):
+            raise PydanticCustomError("missing", "a {role} message needs content", {"role": data.get("role", "")})
+        return data
 
 
 class ChatCompletionRequest(_SamplingFields):
