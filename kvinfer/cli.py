@@ -2,30 +2,47 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from typing import Optional
 
 DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_MAX_TOKENS = 256
 
 
-def int_at_least(name: str, lo: int = 1):
-    """An argparse type: an integer >= lo, or a one-line error that names the flag."""
+INT_MAX = (1 << 31) - 1  # counts and lengths: far above anything useful, far below what overflows C
+SEED_MAX = (1 << 63) - 1  # torch generators take 64-bit seeds; larger ones overflow with a traceback
+THREADS_MAX = 1024
+
+
+def int_at_least(name: str, lo: int = 1, hi: int = INT_MAX):
+    """An argparse type: an integer in [lo, hi]. argparse already names the flag, so the message does not."""
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
         return v
 
+    parse.__name__ = name  # argparse names the type in its own messages
     return parse
 
 
-def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> None:
+def seed_int(name: str):
+    return int_at_least(name, 0, SEED_MAX)
+
+
+def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_kv_cache: bool = True) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,
                    help="HF model directory, GGUF file, or (with --load-format dummy) a preset/config.json; "
@@ -39,22 +56,31 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> No
                    help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 blocks and decode with kvinfer's CPU kernels; "
                         "auto: gguf for GGUF models on CPU in float32 (default), none: dequantize to float")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
-    g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
-                   help=f"KV cache backend (default: {kv_default}); none recomputes every step")
+    if with_kv_cache:
+        g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
+                       help=f"KV cache backend (default: {kv_default}); none recomputes every step")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV cache element type: auto (the model's dtype), int8 or fp8 (e4m3), each with a float32 "
                         "scale per token and KV head: about a quarter of float32's bytes per token")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget fixed at start-up, e.g. 2GiB, 512MiB (default: 1GiB)")
+                   help="KV cache budget fixed at start-up, e.g. 2GiB, 512MiB; with weights it must fit in the "
+                        "available memory (default: 1GiB unless --kv-cache-fraction is given)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.0,
-                   help="KV budget as a fraction of free memory, used when --kv-cache-memory is not given")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged; default 16)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+                   help="instead of --kv-cache-memory: this fraction in [0, 1) of the available memory "
+                        "(default 0: off, the budget is 1GiB)")
+    g.add_argument("--block-size", type=int_at_least("--block-size", 1, 1024), default=16,
+                   help="tokens per KV block, 1-1024 (paged; default 16)")
+    g.add_argument("--max-model-len", type=int_at_least("--max-model-len"), default=None,
+                   help="context window, at most what the model's positions support (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=64,
+                   help="most sequences per step (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int_at_least("--max-num-batched-tokens"), default=2048,
+                   help="token budget per step (default 2048)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
+    g.add_argument("--threads", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
+                   help="CPU threads for torch (default: all cores)")
+    g.add_argument("--seed", type=seed_int("--seed"), default=0,
+                   help="engine seed for requests without their own (default 0)")
 
 
 def engine_config_from_args(args):
@@ -74,14 +100,17 @@ def engine_config_from_args(args):
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
+    g.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=None,
+                   help=f"most new tokens (default {DEFAULT_MAX_TOKENS}, or what still fits in the context window)")
     g.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature})")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default)")
+    g.add_argument("--top-k", type=int_at_least("--top-k", -1), default=0,
+                   help="keep the k most likely tokens; 0 or -1 disables (default)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
-    g.add_argument("--sampling-seed", type=int, default=None, help="seed for this request's sampling")
+    g.add_argument("--sampling-seed", type=seed_int("--sampling-seed"), default=None,
+                   help="seed for this request's sampling")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -89,7 +118,8 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> N
 def sampling_params_from_args(args):
     from kvinfer.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+    return SamplingParams(max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, temperature=args.temperature,
+                          top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
@@ -106,63 +136,117 @@ def _prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def stream_request(engine, ids: list[int], params, out=sys.stdout) -> Optional[object]:
-    """Stream one request's text to `out`; returns its final RequestOutput."""
+def stream_request(engine, ids: list[int], params, out=sys.stdout) -> tuple[Optional[object], str]:
+    """Stream one request's text to `out`; returns (its final RequestOutput, or None if Ctrl-C stopped it; the
+    text shown). Ctrl-C only raises a flag, checked between engine steps, so the engine is never interrupted
+    half-way through a step and stays usable for the next request."""
     rid = engine.add_request(None, ids, params)
-    final = None
+    stop: list[bool] = []
+    prev = None
+    if threading.current_thread() is threading.main_thread():
+        prev = signal.signal(signal.SIGINT, lambda signum, frame: stop.append(True))
+    final, parts = None, []
     try:
-        while engine.has_unfinished_requests():
+        while final is None and not stop and engine.has_unfinished_requests():
             for o in engine.step():
                 if o.request_id != rid:
                     continue
-                out.write(o.outputs[0].delta_text)
+                delta = o.outputs[0].delta_text
+                parts.append(delta)
+                out.write(delta)
                 out.flush()
                 if o.finished:
                     final = o
-    except KeyboardInterrupt:
-        engine.abort(rid)
-        raise
-    return final
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
+        if final is None:
+            engine.abort(rid)
+    return final, "".join(parts)
+
+
+def _fit_max_tokens(engine, params, num_prompt_tokens: int):
+    """Without --max-tokens, generate what still fits in the context window and KV cache instead of refusing
+    (what OpenAI-style servers do when max_tokens is not given)."""
+    room = engine.max_new_tokens(num_prompt_tokens)
+    if 1 <= room < params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    return params
+
+
+def _kv_summary(engine, num_tokens: int) -> str:
+    from kvinfer.utils import format_bytes
+
+    if engine.config.kv_cache == "none":
+        return "no KV cache (every step recomputes the whole context)"
+    return (f"KV cache in use {format_bytes(num_tokens * engine.kv_bytes_per_token)} "
+            f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache})")
 
 
 def cmd_generate(args) -> int:
     from kvinfer.engine.llm_engine import LLMEngine
-    from kvinfer.utils import format_bytes
 
     params = sampling_params_from_args(args)
     engine = LLMEngine(engine_config_from_args(args))
     ids = _prompt_ids(engine, args.prompt, args.raw)
+    if args.max_tokens is None:
+        params = _fit_max_tokens(engine, params, len(ids))
     t0 = time.perf_counter()
-    final = stream_request(engine, ids, params)
+    final, _ = stream_request(engine, ids, params)
     elapsed = time.perf_counter() - t0
     sys.stdout.write("\n")
+    if final is None:
+        print("interrupted", file=sys.stderr)
+        return 130
     o = final.outputs[0]
     n = len(o.token_ids)
     ttft = final.metrics.ttft or 0.0
     decode_s = (final.metrics.last_token_time - final.metrics.first_token_time) if n > 1 else 0.0
-    usage = engine.kv_usage()
     print(f"[prompt tokens {len(ids)} | generated {n} ({o.finish_reason}) | TTFT {ttft * 1000:.0f} ms | "
           f"decode {((n - 1) / decode_s) if decode_s > 0 else float('nan'):.1f} tok/s | "
-          f"KV cache in use {format_bytes(len(ids + o.token_ids) * engine.kv_bytes_per_token)} "
-          f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache}) | total {elapsed:.2f} s]",
-          file=sys.stderr)
+          f"{_kv_summary(engine, len(ids) + n)} | total {elapsed:.2f} s]", file=sys.stderr)
     return 0
+
+
+CHAT_HELP = ("/reset clears the conversation, /help shows this, /exit or Ctrl-D quits; Ctrl-C stops an answer; "
+             "start a message with // to send a leading /")
+
+
+def _chat_prompt(engine, messages: list[dict], want: int) -> tuple[list[int], int]:
+    """Token ids of the conversation, dropping the oldest turns (never the system message or the last user
+    message) while fewer than `want` new tokens fit; returns (ids, messages dropped)."""
+    tok = engine.tokenizer
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while True:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        if engine.max_new_tokens(len(ids)) >= want or len(messages) - first <= 1:
+            return ids, dropped
+        del messages[first]
+        dropped += 1
+        if len(messages) - first > 1 and messages[first]["role"] == "assistant":  # drop whole turns
+            del messages[first]
+            dropped += 1
 
 
 def cmd_chat(args) -> int:
     from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.errors import KvinferError, ValidationError
 
     params = sampling_params_from_args(args)
     engine = LLMEngine(engine_config_from_args(args))
-    tok = engine.tokenizer
-    if tok is None:
-        from kvinfer.errors import ValidationError
+    if engine.tokenizer is None:
+        raise ValidationError("model", args.model, "has no tokenizer; chat needs one (--tokenizer DIR)")
 
-        raise ValidationError("model", args.model, "has no tokenizer; chat needs one")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("kvinfer chat — /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+        say(f"kvinfer chat — {CHAT_HELP}.")
     while True:
         if interactive:
             print(">>> ", end="", file=sys.stderr, flush=True)
@@ -172,17 +256,42 @@ def cmd_chat(args) -> int:
         line = line.strip()
         if not line:
             continue
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/reset":
-            messages = messages[:1] if args.system else []
+        if line.startswith("/") and not line.startswith("//"):
+            command = line.split()[0]
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                messages = list(system)
+                say("(conversation cleared)")
+            elif command == "/help":
+                say(CHAT_HELP)
+            else:
+                say(f"unknown command {command}: {CHAT_HELP}")
             continue
-        messages.append({"role": "user", "content": line})
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        final = stream_request(engine, ids, params)
+        messages.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
+        ids, dropped = _chat_prompt(engine, messages, params.max_tokens)
+        room = engine.max_new_tokens(len(ids))
+        if room < 1:
+            messages.pop()
+            say(f"(that message needs {len(ids)} tokens with the conversation; the context window holds "
+                f"{engine.max_model_len}: send something shorter, or /reset)")
+            continue
+        if dropped:
+            say(f"(the {dropped} oldest messages no longer fit in the context window of {engine.max_model_len} "
+                f"tokens and were dropped; /reset starts over)")
+        turn = dataclasses.replace(params, max_tokens=min(params.max_tokens, room),
+                                   min_tokens=min(params.min_tokens, room))
+        try:
+            final, text = stream_request(engine, ids, turn)
+        except KvinferError as e:  # this turn cannot run; the conversation can go on
+            messages.pop()
+            print()
+            say(f"kvinfer: error: {e}")
+            continue
         print()
-        messages.append({"role": "assistant", "content": final.outputs[0].text})
+        if final is None:
+            say("(answer stopped)")
+        messages.append({"role": "assistant", "content": text if final is None else final.outputs[0].text})
     return 0
 
 
@@ -209,6 +318,11 @@ def cmd_models(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        # "-5GiB" is a (bad) value, not an unknown option: let the flag's own check say what is wrong with it.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, the usage hint, exit 2 (argparse's convention)
         self.exit(2, f"kvinfer: error: {message} (see {self.prog} --help)\n")
 
@@ -218,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvinfer import __version__
 
     p.add_argument("--version", action="version", version=f"kvinfer {__version__}")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="how much the engine and server log to stderr (default warning)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout",

@@ -20,13 +20,29 @@ def parse_size(text: str | int | float, param: str = "size") -> int:
     if isinstance(text, (int, float)):
         value = int(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValidationError(param, text, "expected a size such as 2GiB, 512MiB, 1.5GB or a number of bytes")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValidationError(param, text, "must be > 0")
     return value
+
+
+def output_dir(path: str | Path, param: str = "out") -> Path:
+    """Create (if needed) the directory results go to, before any work is done: a file in the way, a missing
+    permission or a read-only place is one ValidationError, not a traceback after minutes of measuring."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValidationError(param, str(path), "is a file; give a directory to write results into")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".kvinfer-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValidationError(param, str(path), f"cannot be written: {e.strerror or e}") from None
+    return p
 
 
 def format_bytes(n: float) -> str:

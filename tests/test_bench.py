@@ -53,12 +53,12 @@ def test_bench_rejects_unknown_peer(capsys):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["throughput", "--num-requests", "0"], "--num-requests must be >= 1"),
-    (["decode", "--tokens", "1"], "--tokens must be >= 2"),
-    (["decode", "--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
-    (["throughput", "--hf-batch-size", "-1"], "--hf-batch-size must be >= 1"),
-    (["serve", "--rounds", "0"], "--rounds must be >= 1"),
-    (["serve", "--max-concurrency", "x"], "--max-concurrency must be an integer"),
+    (["throughput", "--num-requests", "0"], "argument --num-requests: must be >= 1"),
+    (["decode", "--tokens", "1"], "argument --tokens: must be >= 2"),
+    (["decode", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1"),
+    (["throughput", "--hf-batch-size", "-1"], "argument --hf-batch-size: must be >= 1"),
+    (["serve", "--rounds", "0"], "argument --rounds: must be >= 1"),
+    (["serve", "--max-concurrency", "x"], "argument --max-concurrency: must be an integer"),
 ])
 def test_bench_bad_counts_are_one_line_errors(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:

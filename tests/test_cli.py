@@ -46,7 +46,10 @@ def test_every_subcommand_has_help(capsys):
 
 
 def run_main(capsys, args):
-    code = main(args)
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
     err = capsys.readouterr().err.strip()
     return code, err
 
@@ -94,9 +97,9 @@ def test_prompt_longer_than_context(capsys):
 
 
 @pytest.mark.parametrize("flag,value,needle", [
-    ("--top-p", "1.5", "top_p"), ("--temperature", "-1", "temperature"), ("--top-k", "-5", "top_k"),
-    ("--min-p", "2", "min_p"), ("--max-tokens", "0", "max_tokens"), ("--kv-cache-memory", "lots", "kv_cache_memory"),
-    ("--block-size", "0", "block_size"),
+    ("--top-p", "1.5", "top_p"), ("--temperature", "-1", "temperature"), ("--top-k", "-5", "--top-k"),
+    ("--min-p", "2", "min_p"), ("--max-tokens", "0", "--max-tokens"), ("--kv-cache-memory", "lots", "kv_cache_memory"),
+    ("--block-size", "0", "--block-size"),
 ])
 def test_invalid_values_named_with_range(capsys, flag, value, needle):
     code, err = run_main(capsys, ["generate", "hi", flag, value])

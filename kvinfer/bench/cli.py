@@ -9,16 +9,22 @@ import sys
 import time
 
 
-PEERS = ("transformers", "llama.cpp", "llama-server", "no-invariance", "none")
 NO_INVARIANCE = "kvinfer, KVINFER_BATCH_INVARIANT=0"
 
 
-def _peers(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in PEERS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}")
-    return [n for n in names if n != "none"]
+def _peers(*known: str):
+    """An argparse type for --compare: comma-separated names among `known` (and none)."""
+    choices = ", ".join(known + ("none",))
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        bad = [n for n in names if n not in known + ("none",)]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown peer {bad[0] if bad else text!r}; choose from {choices}")
+        return [n for n in names if n != "none"]
+
+    parse.__name__ = "--compare"
+    return parse
 
 
 @contextlib.contextmanager
@@ -36,7 +42,7 @@ def _invariance_off():
 
 
 def register(sub) -> None:
-    from kvinfer.cli import add_engine_args, int_at_least
+    from kvinfer.cli import add_engine_args, int_at_least, seed_int
 
     b = sub.add_parser("bench", help="benchmarks against peers measured in the same run",
                        description="Benchmarks that print kvinfer against peers measured in the same run.")
@@ -51,7 +57,7 @@ def register(sub) -> None:
                    help="new tokens, at least 2 (default 256)")
     d.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens"), default=32,
                    help="prompt length in tokens (default 32)")
-    d.add_argument("--compare", type=_peers, default=["transformers"],
+    d.add_argument("--compare", type=_peers("transformers", "llama.cpp", "no-invariance"), default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp (llama-bench when --llama-bench or "
                         "$LLAMA_BENCH names it, else llama-cpp-python), no-invariance (kvinfer itself with "
                         "KVINFER_BATCH_INVARIANT=0), none (default transformers)")
@@ -66,8 +72,9 @@ def register(sub) -> None:
                                   "through the engine, then the same workload through each --compare peer.")
     t.add_argument("--num-requests", type=int_at_least("--num-requests"), default=64,
                    help="requests in the workload (default 64)")
-    t.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
-    t.add_argument("--compare", type=_peers, default=["transformers"],
+    t.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
+    t.add_argument("--compare", type=_peers("transformers", "llama.cpp", "llama-server", "no-invariance"),
+                   default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
                         "time), llama-server (llama.cpp's HTTP server, parallel slots), no-invariance (kvinfer "
                         "itself with KVINFER_BATCH_INVARIANT=0), none (default transformers)")
@@ -107,12 +114,13 @@ def cmd_decode(args) -> int:
     import random
 
     from kvinfer.cli import engine_config_from_args
-    from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.engine.llm_engine import LLMEngine, check_startup
     from kvinfer.loaders.model_loader import load_model
     from kvinfer.sampling_params import SamplingParams
 
     cfg = engine_config_from_args(args)
-    load_model(cfg)  # first load warms the page cache; the second is the figure we report
+    # First load warms the page cache; the second is the figure we report. Both only after the start-up checks.
+    load_model(cfg, source=check_startup(cfg))
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     startup = time.perf_counter() - t0

@@ -25,11 +25,11 @@ def register_serve(bench_subparsers) -> None:
 
 
 def _add_args(s: argparse.ArgumentParser) -> None:
-    from kvinfer.cli import int_at_least
+    from kvinfer.cli import int_at_least, seed_int
 
     s.add_argument("--num-requests", type=int_at_least("--num-requests"), default=64,
                    help="requests in the workload (default 64)")
-    s.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
+    s.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
     s.add_argument("--max-concurrency", type=int_at_least("--max-concurrency"), default=None,
                    help="most HTTP requests in flight at once (default: all of them, like LLM.generate)")
     s.add_argument("--rounds", type=int_at_least("--rounds"), default=1,

@@ -6,6 +6,7 @@ import json
 import sys
 
 from kvinfer.cli import int_at_least as _positive_int
+from kvinfer.cli import THREADS_MAX, seed_int
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -33,12 +34,13 @@ def register(sub) -> None:
                     "contiguous, paged), timing every engine step. Reports per-token latency by position, total "
                     "time, K/V projections computed (measured and by formula), peak KV memory and the speedup over "
                     "no cache; fails if the greedy outputs differ. Writes a CSV, PNG plots and a Markdown table "
-                    "into --out. --kv-cache is ignored: every backend in --backends runs.")
+                    "into --out. Every backend in --backends runs (there is no --kv-cache here).")
     from kvinfer.lab.kvcache import DEFAULT_TOKENS
 
     k.add_argument("--tokens", type=_positive_int("--tokens"), default=DEFAULT_TOKENS,
                    help=f"tokens to generate (default {DEFAULT_TOKENS}: about two minutes on the built-in model "
-                        f"on 2 CPU cores; 2000 for the seed document's long case)")
+                        f"on 2 CPU cores; 1024 or more shows the no-cache line's growth clearly, at the cost of "
+                        f"an hour or more)")
     k.add_argument("--prompt", default=None, help="prompt text (the chat template is applied)")
     k.add_argument("--prompt-tokens", type=_positive_int("--prompt-tokens"), default=None,
                    help="use this many seeded random token ids instead of text (automatic for models "
@@ -47,8 +49,8 @@ def register(sub) -> None:
                    help="comma-separated subset of none,contiguous,paged (default: all three)")
     k.add_argument("--out", default="lab-out", help="directory for the CSV, plots and table (default ./lab-out)")
     k.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    add_engine_args(k)
-    k.set_defaults(func=cmd_lab_kvcache)
+    add_engine_args(k, with_kv_cache=False)
+    k.set_defaults(func=cmd_lab_kvcache, kv_cache="paged")
 
     p = sub.add_parser(
         "plan", help="KV memory planner: bytes per token, weights, concurrent requests contiguous vs paged",
@@ -71,8 +73,8 @@ def register(sub) -> None:
                    help="request lengths (prompt + output): uniform:A-B, mean:L or mix:W@A-B,...; default a mix "
                         "of 60%% 128-1024, 30%% 1025-4096, 10%% 4097-8192 clipped to max_model_len")
     p.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8,
-                   help="also size this many concurrent requests, contiguous vs paged (default 8, the seed "
-                        "document's incident)")
+                   help="also size this many concurrent requests, contiguous vs paged (default 8: the "
+                        "40 GB / 8-request example)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -88,7 +90,8 @@ def register(sub) -> None:
     src.add_argument("--synthetic", type=_positive_int("--synthetic"), default=None,
                      help="N seeded requests like bench throughput: prompt 16-512, output 16-256, all at t=0 "
                           "(default: 64)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace and of token ids (default 0)")
+    s.add_argument("--seed", type=seed_int("--seed"), default=0,
+                   help="seed of the synthetic trace and of token ids (default 0)")
     s.add_argument("--model", "-m", default=None,
                    help="shapes for KV sizing: preset, HF directory, config.json or GGUF (default: built-in)")
     s.add_argument("--dtype", default="auto", choices=("auto",) + _DTYPES,
@@ -99,15 +102,19 @@ def register(sub) -> None:
     s.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     s.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
                    help="context window (default: the model's)")
-    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
-    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048)
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--no-chunked-prefill", action="store_true")
+    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64,
+                   help="most sequences per step, as the engine's (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048,
+                   help="token budget per step, as the engine's (default 2048)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    s.add_argument("--no-chunked-prefill", action="store_true",
+                   help="schedule a prompt only when all of it fits in one step's token budget")
     s.add_argument("--cost-model", default="fitted",
                    help="'fitted' (stored coefficients, scaled to --model's shapes) or a,b,c,d in seconds")
     s.add_argument("--fit", action="store_true",
                    help="re-measure the cost model on real engine steps with --model (built-in by default) first")
-    s.add_argument("--threads", type=_positive_int("--threads"), default=None, help="torch threads for --fit")
+    s.add_argument("--threads", type=_positive_int("--threads", 1, THREADS_MAX), default=None,
+                   help="torch threads for --fit")
     s.add_argument("--fit-clock", default="wall", choices=("wall", "cpu"),
                    help="--fit times steps by wall clock (default) or by this process's CPU time, which other "
                         "processes cannot inflate (use with --threads 1 on a shared machine)")
@@ -126,7 +133,10 @@ def cmd_lab_kvcache(args) -> int:
     from kvinfer.cli import engine_config_from_args
     from kvinfer.lab.kvcache import LabMismatchError, markdown_table, run_lab, summary, write_outputs
 
+    from kvinfer.utils import output_dir
+
     cfg = engine_config_from_args(args)
+    output_dir(args.out)  # before minutes of measuring
     result = run_lab(cfg, num_tokens=args.tokens, prompt=args.prompt, prompt_tokens=args.prompt_tokens,
                      backends=args.backends, progress=None if args.json else _progress)
     files = write_outputs(result, args.out)
@@ -163,7 +173,11 @@ def cmd_simulate(args) -> int:
     from kvinfer.lab.plan import resolve_model_config
     from kvinfer.utils import parse_size
 
+    from kvinfer.utils import output_dir
+
     memory = parse_size(args.kv_cache_memory, "kv_cache_memory")
+    if args.out:
+        output_dir(args.out)  # before the simulation (and any --fit) runs
     mc, label = resolve_model_config(args.model)
     if args.dtype == "auto":
         from kvinfer.loaders.model_loader import resolve_device, resolve_dtype
@@ -204,10 +218,8 @@ def cmd_simulate(args) -> int:
         report["fit_samples"] = samples
     if args.out:
         import csv
-        from pathlib import Path
 
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = output_dir(args.out)
         csv_path = out / "simulate_requests.csv"
         with open(csv_path, "w", newline="") as f:
             w = csv.writer(f)

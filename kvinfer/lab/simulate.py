@@ -246,6 +246,8 @@ def load_trace(path: str) -> list[TraceRequest]:
         text = p.read_text()
     except OSError as e:
         raise ValidationError("trace", path, f"cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValidationError("trace", path, "is not a text (JSONL) file") from None
     out = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
