@@ -1,4 +1,4 @@
-"""The memory planner: the seed document's arithmetic, and bytes per token equal to what the engine allocates."""
+"""The memory planner: the 40 GB / 8-request example's arithmetic, bytes per token equal to what the engine allocates."""
 from __future__ import annotations
 
 import json

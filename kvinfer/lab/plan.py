@@ -196,7 +196,8 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
     contiguous_kv_only = memory // per_request
     paged = int(num_blocks // mean_blocks)
     paged_kv_only = int(num_blocks_kv_only // mean_blocks)
-    # The seed's view: n max-length requests side by side, with and without the weights beside them.
+    # Max-length reservations (the 40 GB / 8-request example): n requests side by side, with and without the
+    # weights beside them.
     rows = sorted(set(range(1, min(contiguous_kv_only + 1, 12) + 1))
                   | {contiguous, contiguous + 1, contiguous_kv_only, contiguous_kv_only + 1, concurrent} - {0})
     seed_view = [dict(requests=n, kv_bytes=n * per_request, kv_plus_weights_bytes=n * per_request + weight_bytes,
@@ -221,7 +222,8 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
                    token_capacity=num_blocks * block_size, mean_requests=paged, mean_requests_kv_only=paged_kv_only,
                    used_fraction=mean_tokens / (mean_blocks * block_size)),
         seed_view=seed_view,
-        # The seed's incident: this many requests at once, reserved at max length vs paged at workload lengths.
+        # The 40 GB / 8-request example: this many requests at once, reserved at max length vs paged at workload
+        # lengths.
         concurrent=dict(requests=concurrent, contiguous_kv_bytes=concurrent * per_request,
                         paged_kv_bytes=math.ceil(concurrent * mean_blocks) * block_bytes,
                         contiguous_fits_kv_only=concurrent * per_request <= memory,
@@ -261,8 +263,8 @@ def format_plan(p: dict) -> str:
         f"{pg['mean_requests_kv_only']:>32}",
         f"{'  reserved KV holding tokens':<36}{c['used_fraction'] * 100:>29.1f}%{pg['used_fraction'] * 100:>31.1f}%",
         "",
-        f"The seed's arithmetic: n requests at {p['max_model_len']} tokens, {gib(p['kv_bytes_per_request'])} each, "
-        f"in {gib(p['memory_bytes'])}:",
+        f"Reserving the full context: n requests at {p['max_model_len']} tokens, {gib(p['kv_bytes_per_request'])} "
+        f"each, in {gib(p['memory_bytes'])}:",
         f"  {'n':>3}  {'KV':>12}  {'KV + weights':>14}  {'fits (pure KV)':>14}  {'fits (with weights)':>19}",
     ]
     for r in p["seed_view"]:
