@@ -42,6 +42,15 @@ def seed_int(name: str):
     return int_at_least(name, 0, SEED_MAX)
 
 
+def add_scheduler_args(g) -> None:
+    """The scheduler's flags: the engine's, and `simulate`'s, which runs the same scheduler."""
+    g.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=64,
+                   help="most sequences per step (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int_at_least("--max-num-batched-tokens"), default=2048,
+                   help="token budget per step (default 2048)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+
+
 def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_kv_cache: bool = True) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,
@@ -72,11 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="tokens per KV block, 1-1024 (paged; default 16)")
     g.add_argument("--max-model-len", type=int_at_least("--max-model-len"), default=None,
                    help="context window, at most what the model's positions support (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int_at_least("--max-num-seqs"), default=64,
-                   help="most sequences per step (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int_at_least("--max-num-batched-tokens"), default=2048,
-                   help="token budget per step (default 2048)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    add_scheduler_args(g)
     g.add_argument("--threads", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
                    help="CPU threads for torch (default: all cores)")
     g.add_argument("--seed", type=seed_int("--seed"), default=0,

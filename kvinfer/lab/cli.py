@@ -21,7 +21,7 @@ def _backends(text: str) -> list[str]:
 
 
 def register(sub) -> None:
-    from kvinfer.cli import add_engine_args
+    from kvinfer.cli import add_engine_args, add_scheduler_args
 
     lab = sub.add_parser("lab", help="laboratory experiments (kvcache: no cache vs contiguous vs paged)",
                          description="Experiments that measure what the textbook asserts.")
@@ -102,11 +102,7 @@ def register(sub) -> None:
     s.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     s.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
                    help="context window (default: the model's)")
-    s.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64,
-                   help="most sequences per step, as the engine's (default 64)")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048,
-                   help="token budget per step, as the engine's (default 2048)")
-    s.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    add_scheduler_args(s)
     s.add_argument("--no-chunked-prefill", action="store_true",
                    help="schedule a prompt only when all of it fits in one step's token budget")
     s.add_argument("--cost-model", default="fitted",
