@@ -70,7 +70,7 @@ class Sampler:
             tokens = []
             for i, r in enumerate(rows):
                 row = logits[i].clone()
-                if r.params.logit_bias:  # added to the raw logits, before penalties and temperature (as vLLM)
+                if r.params.logit_bias:  # added to the raw logits, before penalties and temperature
                     ids, bias = zip(*r.params.logit_bias.items())
                     row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
                 if r.banned_ids:
