@@ -217,22 +217,20 @@ CHAT_HELP = ("/reset clears the conversation, /help shows this, /exit or Ctrl-D 
              "start a message with // to send a leading /")
 
 
-def _chat_prompt(engine, messages: list[dict], want: int) -> tuple[list[int], int]:
-    """Token ids of the conversation, dropping the oldest turns (never the system message or the last user
-    message) while fewer than `want` new tokens fit; returns (ids, messages dropped)."""
+def _chat_prompt(engine, messages: list[dict], want: int) -> tuple[list[int], list[dict]]:
+    """Token ids of the conversation and the messages they hold: the oldest turns (never the system message or
+    the last user message) are left out while fewer than `want` new tokens fit."""
     tok = engine.tokenizer
     first = 1 if messages and messages[0]["role"] == "system" else 0
-    dropped = 0
+    kept = list(messages)
     while True:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(kept, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
-        if engine.max_new_tokens(len(ids)) >= want or len(messages) - first <= 1:
-            return ids, dropped
-        del messages[first]
-        dropped += 1
-        if len(messages) - first > 1 and messages[first]["role"] == "assistant":  # drop whole turns
-            del messages[first]
-            dropped += 1
+        if engine.max_new_tokens(len(ids)) >= want or len(kept) - first <= 1:
+            return ids, kept
+        del kept[first]
+        if len(kept) - first > 1 and kept[first]["role"] == "assistant":  # whole turns go
+            del kept[first]
 
 
 def cmd_chat(args) -> int:
@@ -273,17 +271,18 @@ def cmd_chat(args) -> int:
             else:
                 say(f"unknown command {command}: {CHAT_HELP}")
             continue
-        messages.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
-        ids, dropped = _chat_prompt(engine, messages, params.max_tokens)
+        user = {"role": "user", "content": line[1:] if line.startswith("//") else line}
+        ids, kept = _chat_prompt(engine, messages + [user], params.max_tokens)
         room = engine.max_new_tokens(len(ids))
-        if room < 1:
-            messages.pop()
-            say(f"(that message needs {len(ids)} tokens with the conversation; the context window holds "
-                f"{engine.max_model_len}: send something shorter, or /reset)")
+        if room < 1:  # the conversation so far is kept: only this message is refused
+            say(f"(that message needs {len(ids)} tokens; the context window holds {engine.max_model_len}: "
+                f"send something shorter)")
             continue
+        dropped = len(messages) + 1 - len(kept)
         if dropped:
-            say(f"(the {dropped} oldest messages no longer fit in the context window of {engine.max_model_len} "
-                f"tokens and were dropped; /reset starts over)")
+            say(f"(the oldest {dropped} message{'s' if dropped > 1 else ''} no longer fit in the context window "
+                f"of {engine.max_model_len} tokens and were dropped; /reset starts over)")
+        messages = kept
         turn = dataclasses.replace(params, max_tokens=min(params.max_tokens, room),
                                    min_tokens=min(params.min_tokens, room))
         try:
