@@ -72,7 +72,7 @@ OWN = {
 # Free text: no value is bad. (Engine and sampling flags of other commands are the shared ones above.)
 FREE_TEXT = {"--prompt", "--system", "--stop", "--api-key", "--served-model-name",
              # A missing peer binary is one line and a skipped peer, by design (test_bench): ours still runs.
-             "--llama-server"}
+             "--llama-server", "--llama-bench"}
 NEEDS_ARGS = {"plan": ["--memory", "40GiB"]}  # a required flag, so the flag under test is what fails
 
 

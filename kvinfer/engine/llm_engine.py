@@ -105,6 +105,14 @@ def kv_layout(config: EngineConfig, bytes_per_token: int, max_model_len: int, bu
     return 0, 0
 
 
+def _weight_bytes(config: EngineConfig, src: ModelSource, device: torch.device, dtype: torch.dtype) -> int:
+    """About the peak bytes of loading the weights."""
+    if src.kind == "gguf" and config.quantization != "none" and device.type == "cpu" and dtype == torch.float32:
+        return src.path.stat().st_size  # the kernels' matrices stay GGUF blocks; never dequantized
+    # Other loaders materialise the decoder in float32 before casting it: that is the peak.
+    return src.config.num_parameters() * 4
+
+
 def check_startup(config: EngineConfig) -> ModelSource:
     """Refuse, from the flags and the model's metadata alone, what would fail or exhaust memory later: the
     weights and the KV cache must fit in the memory available now ("never an OOM" starts here)."""
@@ -115,8 +123,7 @@ def check_startup(config: EngineConfig) -> ModelSource:
     mc = src.config
     max_len = resolve_max_model_len(config, mc)
     _, kv_bytes = kv_layout(config, kv_bytes_per_token(config, mc, dtype), max_len, _kv_budget(config))
-    # Every loader materialises the decoder in float32 before casting or quantising it: that is the peak.
-    weight_bytes = mc.num_parameters() * 4
+    weight_bytes = _weight_bytes(config, src, device, dtype)
     free = available_memory(device)
     where = "GPU memory free" if device.type == "cuda" else "memory available"
     if weight_bytes > free:
