@@ -386,7 +386,7 @@ def write_plots(result: LabResult, out: Path) -> list[Path]:
     ax_cpu.set_ylabel("step CPU time, this process (ms)")
     ax_cpu.set_xlabel("position (tokens in context)")
     title = f"Per-token latency by position (log scale): {result.model}\n{result.machine}"
-    ax.set_title(textwrap.fill(title, 100, replace_whitespace=False), fontsize=9)
+    ax.set_title("\n".join(textwrap.fill(line, 100) for line in title.split("\n")), fontsize=9)
     ax.legend()
     for a in (ax, ax_cpu):
         # Log scale: the cached backends are ~50x below the no-cache line and would lie flat on a linear axis.
