@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,6 +79,11 @@ def test_kv_state_contiguous_slots(tiny_llama_dir):
     used = [x for x in s["slots"] if x["owner"] >= 0]
     assert len(used) == 1 and used[0]["used_tokens"] == 7 and used[0]["reserved_tokens"] == 128
     assert s["seqs"][0]["slot"] == used[0]["slot"] and s["tokens_allocated"] == 128
+    none = LLMEngine(EngineConfig(model=tiny_llama_dir, kv_cache="none", max_model_len=128))
+    none.add_request("a", [10, 11, 12], SamplingParams(max_tokens=3))
+    none.step()
+    s = kv_state(none)
+    assert (s["backend"], s["num_blocks"], s["capacity_tokens"]) == ("none", 0, 0) and s["seqs"][0]["id"] == "a"
 
 
 def test_tokens_per_second_meter():
@@ -193,6 +199,37 @@ def page(browser):
     assert not errors, errors
 
 
+class _Streams:
+    """Streaming completions from threads that run until the test has looked at them, then hang up (the server
+    aborts them and frees their blocks): a fast machine cannot finish them before the page is checked."""
+
+    def __init__(self, url: str, prompts: list, max_tokens: int = 400):
+        self.url, self.prompts, self.max_tokens = url, prompts, max_tokens
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(len(prompts))
+
+    def _one(self, prompt) -> int:
+        body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        chunks = 0
+        with httpx.Client(base_url=self.url, timeout=300) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if self.stop.is_set():
+                    break
+        return chunks
+
+    def __enter__(self):
+        self.jobs = [self.pool.submit(self._one, p) for p in self.prompts]
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        chunks = [j.result() for j in self.jobs]
+        self.pool.shutdown()
+        assert exc[0] is not None or all(n > 0 for n in chunks), chunks
+
+
 def _wait(page, predicate: str, arg=None) -> None:
     """Poll a JS function until it returns true. Playwright's wait_for_function evaluates strings with eval(),
     which the page's Content-Security-Policy forbids; evaluate() goes through the debugger protocol instead."""
@@ -229,10 +266,7 @@ def test_page_chat_and_live_kv_map(srv, page, tmp_path):
               "and an end, and give every character a name and a voice of their own.")
     prompts = [f"{common} Now write a long story about {t}." for t in ("the sea", "bread", "a cat", "winter", "music",
                                                                      "trains", "the moon", "coffee")]
-    with httpx.Client(base_url=srv.url, timeout=300) as c, ThreadPoolExecutor(8) as pool:
-        jobs = [pool.submit(c.post, "/v1/completions",
-                            json={"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
-                for p in prompts]
+    with _Streams(srv.url, prompts):
         _wait(page, "() => document.querySelectorAll('#seqs .seq.running').length === 8")
         seen = page.evaluate("""() => {
             const cells = [...document.querySelectorAll('#map .cell')];
@@ -259,9 +293,7 @@ def test_page_chat_and_live_kv_map(srv, page, tmp_path):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
         if SCREENSHOT:
             shutil.copyfile(shot, SCREENSHOT)
-        for j in jobs:
-            assert j.result().status_code == 200
-    # ...and the map empties once they finish (their blocks stay findable as cached prefixes).
+    # ...and the map empties once they end (their blocks stay findable as cached prefixes).
     _wait(page, "() => document.getElementById('st-blocks').dataset.used === '0'")
     assert page.locator("#map .cell.s2, #map .cell.s3").count() == 0
     assert page.locator("#map .cell.s1").count() > 0
@@ -278,6 +310,12 @@ def test_page_chat_and_live_kv_map(srv, page, tmp_path):
     _wait(page, "() => document.getElementById('st-blocks').dataset.used === '0'")
     page.click("#new-chat")
     assert page.locator(".msg").count() == 0
+
+    # A request the server refuses shows its one-line error in place of an answer.
+    page.fill("#max-tokens", "999999")
+    assert _ask(page, "Hello") == ""
+    assert "error:" in page.locator(".msg.assistant .meta").inner_text() and "max_tokens" in \
+        page.locator(".msg.assistant .meta").inner_text()
 
 
 def test_model_output_is_shown_as_text(srv, page):
@@ -307,6 +345,7 @@ def test_page_asks_for_the_api_key_and_shows_no_data_without_it(srv, page):
         with httpx.Client(base_url=keyed.url, timeout=30) as c:
             assert_error_shape(c.get("/kv/state"), 401)
             assert c.get("/").status_code == 200  # the page itself holds no data
+        assert page.locator("#app").is_hidden()
         page.fill("#auth-key", "wrong")
         page.press("#auth-key", "Enter")
         _wait(page, "() => document.getElementById('auth-error').textContent.includes('invalid API key')")
@@ -323,16 +362,13 @@ def test_page_asks_for_the_api_key_and_shows_no_data_without_it(srv, page):
 def test_contiguous_page_shows_reserved_slots(page):
     s = start_server(engine_config(kv_cache="contiguous", max_model_len=256, max_num_seqs=4, kv_cache_memory=64 << 20))
     try:
-        with httpx.Client(base_url=s.url, timeout=300) as c, ThreadPoolExecutor(1) as pool:
-            page.goto(s.url)
-            page.wait_for_selector("#conn.on")
-            assert page.locator("#map-box").is_hidden() and page.locator("#slots .slot").count() == 4
-            job = pool.submit(c.post, "/v1/completions",
-                              json={"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True})
+        page.goto(s.url)
+        page.wait_for_selector("#conn.on")
+        assert page.locator("#map-box").is_hidden() and page.locator("#slots .slot").count() == 4
+        with _Streams(s.url, ["Once upon a time"], max_tokens=200):
             page.wait_for_selector("#slots .slot[data-owner]")
             text = page.inner_text("#slots .slot[data-owner] .slot-text")
             assert "of 256 tokens used" in text and "reserved unused" in text
-            assert job.result().status_code == 200
-            _wait(page, "() => document.querySelectorAll('#slots .slot[data-owner]').length === 0")
+        _wait(page, "() => document.querySelectorAll('#slots .slot[data-owner]').length === 0")
     finally:
         s.stop()

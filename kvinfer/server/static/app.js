@@ -95,12 +95,14 @@ function setBusy(busy) {
 }
 
 async function send(text) {
-  history.push({ role: "user", content: text });
+  const conv = history;  // "New chat" swaps in a fresh array: a late answer must not land in the new one
+  const asked = { role: "user", content: text };
+  conv.push(asked);
   addMessage("user", text);
   const out = addMessage("assistant", "");
   out.box.classList.add("streaming");
   const system = $("system").value.trim();
-  const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(conv);
   const body = { model: modelName, messages, stream: true, stream_options: { include_usage: true } };
   const temperature = parseFloat($("temperature").value);
   const maxTokens = parseInt($("max-tokens").value, 10);
@@ -165,8 +167,9 @@ async function send(text) {
     if (finish && finish !== "stop") parts.push(finish === "length" ? "cut at max tokens" : finish);
     out.meta.textContent = parts.join(" · ");
   }
-  if (answer) history.push({ role: "assistant", content: answer });
-  else if (!failed) out.body.textContent = "(no text)";
+  if (answer) conv.push({ role: "assistant", content: answer });
+  else if (failed) conv.splice(conv.indexOf(asked), 1);  // unanswered: leave it out of the next request
+  else out.body.textContent = "(no text)";
 }
 
 function newChat() {
@@ -177,10 +180,22 @@ function newChat() {
 }
 
 // ---- the KV cache ----------------------------------------------------------------------------------
+// Hues handed out in arrival order by the golden angle: requests alive together look apart, and a request
+// keeps its colour for as long as the page is open.
+const hues = new Map();
+let hueCount = 0;
 function hueOf(id) {
-  let h = 2166136261;
-  for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 16777619);
-  return ((h >>> 0) * 137.508) % 360;
+  let h = hues.get(id);
+  if (h === undefined) {
+    h = (210 + hueCount++ * 137.508) % 360;
+    hues.set(id, h);
+  }
+  return h;
+}
+function forgetHues(seqs) {
+  if (hues.size < 4096) return;
+  const alive = new Set(seqs.map((q) => q.id));
+  for (const id of hues.keys()) if (!alive.has(id)) hues.delete(id);
 }
 const colourOf = (id) => `hsl(${hueOf(id).toFixed(0)} 70% 52%)`;
 const shortId = (id) => {
@@ -219,6 +234,7 @@ function render(s) {
   $("backend").textContent = paged ? `paged · ${fmtInt(s.num_blocks)} blocks of ${s.block_size} tokens`
     : contiguous ? `contiguous · ${s.num_blocks} slots of ${fmtInt(s.max_model_len)} tokens` : "no KV cache";
   const unit = paged ? "blocks" : "slots";
+  $("st-blocks-label").textContent = unit + " used";
   $("st-blocks").textContent = `${fmtInt(s.blocks_used)} / ${fmtInt(s.num_blocks)}`;
   $("st-blocks").dataset.used = s.blocks_used;
   $("st-blocks-bar").style.width = s.num_blocks ? pct(s.blocks_used / s.num_blocks) : "0";
@@ -229,8 +245,8 @@ function render(s) {
   $("st-util").textContent = alloc ? pct(Math.min(s.tokens_stored / alloc, 1)) : "–";
   const unused = Math.max(alloc - s.tokens_stored, 0);
   const saved = Math.max(s.tokens_logical - s.tokens_stored, 0);
-  $("st-waste").textContent = (alloc ? `${fmtInt(unused)} tokens (${fmtBytes(unused * s.bytes_per_token)}) allocated, unused`
-    : `0 ${unit} in use`) + (saved ? ` · sharing saves ${fmtInt(saved)} tokens` : "");
+  $("st-waste").textContent = (alloc ? `${fmtInt(unused)} tokens (${fmtBytes(unused * s.bytes_per_token)}) unused`
+    : `0 ${unit} in use`) + (saved ? ` · sharing saves ${fmtInt(saved)}` : "");
   const pc = s.prefix_cache;
   $("st-hit").textContent = pc.enabled ? pct(pc.hit_rate) : "off";
   $("st-hit-sub").textContent = pc.enabled ? `${fmtInt(pc.hits)} of ${fmtInt(pc.queries)} blocks` +
@@ -241,6 +257,7 @@ function render(s) {
   $("st-tps").textContent = s.tokens_per_s == null ? "–" : s.tokens_per_s.toFixed(1);
   $("st-gen").textContent = `${fmtInt(s.generation_tokens)} generated in all`;
 
+  forgetHues(s.seqs);
   $("map-box").hidden = !paged;
   $("slots-box").hidden = !contiguous;
   $("no-cache").hidden = paged || contiguous;
@@ -421,7 +438,7 @@ document.addEventListener("DOMContentLoaded", () => {
     send(text);
   });
   $("input").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); $("composer").requestSubmit(); }
   });
   $("stop").addEventListener("click", () => { if (inflight) inflight.abort(); });
   $("new-chat").addEventListener("click", newChat);
