@@ -194,6 +194,9 @@ def page(browser):
     p.set_default_timeout(WAIT_MS)
     errors = []
     p.on("pageerror", lambda e: errors.append(str(e)))
+    # Console errors include Content-Security-Policy violations; refused requests (401, 400) are expected ones.
+    p.on("console", lambda m: errors.append(m.text) if m.type == "error" and "Failed to load resource" not in m.text
+         else None)
     yield p
     ctx.close()
     assert not errors, errors
