@@ -61,7 +61,8 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
-    print(f"kvinfer: serving {name!r} on http://{args.host}:{args.port} (OpenAI API at /v1, web page at /)", file=sys.stderr)
+    print(f"kvinfer: serving {name!r} on http://{args.host}:{args.port} (OpenAI API at /v1, web page at /)",
+          file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                     timeout_graceful_shutdown=10, access_log=args.log_level in ("debug", "info"))
