@@ -6,7 +6,10 @@ PROMPT ?= What is the capital of France?
 # The CPU build of torch on this kind of machine; for a GPU see README ("Installing for a GPU").
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test bench clean
+# The web page tests drive Debian's chromium, headless; `make test` installs it when it is missing.
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: run test bench clean browser
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,8 +26,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/kvinfer generate "$(PROMPT)"
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test browser
 	$(PY) -m pytest -q
+
+# Not fatal here: without a browser the page tests fail and say why.
+browser:
+	@[ -x $(CHROMIUM) ] || { echo "installing chromium with apt-get (for the web page tests)"; \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	    --no-install-recommends chromium fonts-dejavu-core; } >/dev/null || echo "could not install chromium"; }
 
 bench: $(VENV)/.installed-test
 	$(VENV)/bin/kvinfer bench decode

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from kvinfer.config import EngineConfig
 from kvinfer.engine.outputs import RequestOutput
@@ -272,6 +272,18 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between two steps (a consistent view), its result returned here.
+
+        For quick read-only looks (the web page's KV map); `fn` must not change the engine.
+        """
+        if not self.is_running:
+            raise EngineDeadError() if self._dead is None else EngineDeadError(f"the engine failed: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._send(("call", fn, loop, fut))
+        return await fut
+
     def _release(self, stream: RequestStream) -> None:
         with self._active_lock:
             self._num_active -= stream.num_seqs
@@ -321,6 +333,8 @@ class AsyncLLMEngine:
             for c in leftover:
                 if c[0] == "add":
                     self._resolve(c[1]._loop, c[3], err)
+                elif c[0] == "call":
+                    self._resolve(c[2], c[3], err)
 
     def _handle(self, cmd: tuple) -> None:
         eng = self.engine
@@ -339,6 +353,13 @@ class AsyncLLMEngine:
             for rid in added:
                 self._streams[rid] = stream
             self._resolve(stream._loop, fut, None)
+        elif cmd[0] == "call":
+            _, fn, loop, fut = cmd
+            try:
+                result, exc = fn(eng), None
+            except Exception as e:
+                result, exc = None, e
+            self._resolve(loop, fut, exc, result)
         elif cmd[0] == "abort":
             for rid in cmd[1]:
                 eng.abort(rid)
@@ -350,10 +371,10 @@ class AsyncLLMEngine:
                         pass
 
     @staticmethod
-    def _resolve(loop, fut: asyncio.Future, exc: Optional[BaseException]) -> None:
+    def _resolve(loop, fut: asyncio.Future, exc: Optional[BaseException], result: Any = None) -> None:
         def done():
             if not fut.done():
-                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+                fut.set_exception(exc) if exc is not None else fut.set_result(result)
 
         try:
             loop.call_soon_threadsafe(done)

@@ -23,6 +23,7 @@ from kvinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engine
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
+from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      messages_for_template)
@@ -31,7 +32,7 @@ log = logging.getLogger("kvinfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/kv/")
 SAMPLING_EPS = 1e-5  # temperature or top_p below this samples greedily
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
@@ -511,6 +512,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         if params.n > engine.capacity:
             raise APIError(400, f"n={params.n} sequences; this server holds at most {engine.capacity}", param="n")
         stream = await srv.admit([ids], params, "chatcmpl")
+        note_page_request(request, stream.request_id, body.messages)
         n = params.n
         ctx = _Ctx("chatcmpl", srv.model_name, stream, [ids], n)
         if body.stream:
@@ -528,6 +530,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": srv.model_name,
                 "choices": choices, "usage": srv.usage([out])}
 
+    add_page_routes(app, engine, model_name)
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app

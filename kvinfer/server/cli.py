@@ -17,7 +17,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int_at_least("--port", 0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/state "
+                        "(the web page asks for it)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the model file or directory name)")
     g.add_argument("--max-queue", type=int_at_least("--max-queue", 0), default=DEFAULT_MAX_QUEUE,
@@ -33,7 +34,8 @@ def register(subparsers) -> None:
     s = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
         description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions (streaming with "
-                    "stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize and /detokenize.")
+                    "stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize and /detokenize; "
+                    "a web page at / (chat and the KV cache live).")
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -86,7 +88,8 @@ def cmd_serve(args) -> int:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
     port = sock.getsockname()[1]
-    print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1)", file=sys.stderr)
+    print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1, web page at /)",
+          file=sys.stderr)
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
                                                timeout_graceful_shutdown=10,
