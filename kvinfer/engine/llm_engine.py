@@ -13,7 +13,7 @@ from kvinfer.config import EngineConfig, kv_scale_bytes
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvinfer.errors import RequestTooLargeError, ValidationError
-from kvinfer.kv.cache import ContiguousCache, NoCache, PagedCache
+from kvinfer.kv.cache import make_cache
 from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
 from kvinfer.loaders.model_loader import LoadedModel, load_model
 from kvinfer.request import Request, RequestStatus
@@ -66,36 +66,41 @@ class LLMEngine:
             raise ValidationError("max_model_len", self.max_model_len,
                                   f"must be <= {mc.max_position_embeddings} for learned positions")
         dtype, device = self.loaded.dtype, self.loaded.device
+        self.tp = None  # TensorParallel on rank 0 when tensor_parallel_size > 1
+        kv_cfg = mc  # the shapes this process's KV cache holds: a rank's share of the KV heads under TP
+        if config.tensor_parallel_size > 1:
+            from kvinfer.parallel import local_config
+
+            kv_cfg = local_config(mc, config.tensor_parallel_size)  # also checks the head counts
         kv_dtype = config.kv_cache_dtype if config.kv_cache != "none" else "auto"  # `none` keeps no K/V
         if kv_dtype != "auto":  # 8-bit values and a float32 scale per token, kv head and K or V
-            self.kv_bytes_per_token = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
+            self.kv_bytes_per_token = kv_cfg.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
         else:
-            self.kv_bytes_per_token = mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+            self.kv_bytes_per_token = kv_cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
         self.kv_dtype = kv_dtype if kv_dtype != "auto" else str(dtype).replace("torch.", "")
         budget = self._kv_budget()
         kind = config.kv_cache
+        count = 0
         if kind == "paged":
             bs = config.block_size
-            num_blocks = budget // (self.kv_bytes_per_token * bs)
-            if num_blocks < 1:
+            count = budget // (self.kv_bytes_per_token * bs)
+            if count < 1:
                 raise ValidationError("kv_cache_memory", budget,
                                       f"too small for one block of {bs} tokens ({self.kv_bytes_per_token * bs} bytes)")
-            self.kv_manager = PagedKVManager(num_blocks, bs, config.enable_prefix_caching)
-            self.kv_cache = PagedCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, device,
-                                       kv_dtype)
+            self.kv_manager = PagedKVManager(count, bs, config.enable_prefix_caching)
         elif kind == "contiguous":
             per_slot = self.kv_bytes_per_token * self.max_model_len
-            num_slots = min(budget // per_slot, config.max_num_seqs)
-            if num_slots < 1:
+            count = min(budget // per_slot, config.max_num_seqs)
+            if count < 1:
                 raise ValidationError("kv_cache_memory", budget,
                                       f"too small for one contiguous slot of max_model_len={self.max_model_len} "
                                       f"tokens ({format_bytes(per_slot)})")
-            self.kv_manager = SlotManager(num_slots, self.max_model_len)
-            self.kv_cache = ContiguousCache(mc.num_layers, num_slots, mc.num_kv_heads, self.max_model_len,
-                                            mc.head_dim, dtype, device, kv_dtype)
+            self.kv_manager = SlotManager(count, self.max_model_len)
         else:
             self.kv_manager = NullManager()
-            self.kv_cache = NoCache(mc.num_layers, device, dtype)
+        kv_spec = (kind, mc.num_layers, count, config.block_size, kv_cfg.num_kv_heads, self.max_model_len,
+                   mc.head_dim, dtype, device, kv_dtype)
+        self.kv_cache = make_cache(*kv_spec)
         if mc.position == "alibi":
             self.kv_cache.alibi = self.loaded.model.alibi
         self.kv_cache.sliding_window = mc.sliding_window
@@ -106,7 +111,13 @@ class LLMEngine:
                  f"blocks of {config.block_size}" if kind == "paged" else "slots", cap)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
+        else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
+            from kvinfer.parallel import TensorParallel
+
+            self.tp = TensorParallel.start(config, self.loaded)
+            self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
         self.sampler = Sampler()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.groups: dict[str, _Group] = {}
@@ -342,3 +353,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """End the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.shutdown()
