@@ -241,24 +241,52 @@ def test_two_nodes_on_loopback(tiny_dir):
         _end(node1)
 
 
-def test_killed_worker_gives_503_and_the_server_exits_nonzero(tiny_dir):
+def _serve_tp2(model_dir: str):
+    """`kvinfer serve -tp 2` in its own session, once /health answers: (process, url)."""
     import httpx
 
     port = _free_port()
-    srv = _kvinfer("serve", "--model", tiny_dir, "--dtype", "float32", "-tp", "2", "--port", str(port),
+    srv = _kvinfer("serve", "--model", model_dir, "--dtype", "float32", "-tp", "2", "--port", str(port),
                    "--kv-cache-memory", "4MiB", "--served-model-name", "x")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        if srv.poll() is not None:
+            raise AssertionError(srv.stderr.read())
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return srv, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _end(srv)
+            raise AssertionError("server did not start")
+        time.sleep(0.3)
+
+
+def test_ctrl_c_mid_request_leaves_no_process(tiny_dir):
+    import httpx
+
+    srv, url = _serve_tp2(tiny_dir)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert srv.poll() is None, srv.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
+        workers = [p for p in psutil.Process(srv.pid).children(recursive=True) if not _is_tracker(p)]
+        assert workers
+        body = dict(model="x", prompt=[5, 6, 7], max_tokens=400, temperature=0, ignore_eos=True, stream=True)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # generating now
+            os.killpg(srv.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        assert srv.wait(60) in (0, 130)
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"orphans: {[p.pid for p in alive]}"
+    finally:
+        _end(srv)
+
+
+def test_killed_worker_gives_503_and_the_server_exits_nonzero(tiny_dir):
+    import httpx
+
+    srv, url = _serve_tp2(tiny_dir)
+    try:
         body = dict(model="x", prompt=[5, 6, 7], max_tokens=4, temperature=0)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         workers = [p for p in psutil.Process(srv.pid).children(recursive=True) if not _is_tracker(p)]

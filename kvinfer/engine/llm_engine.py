@@ -15,7 +15,7 @@ from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from kvinfer.errors import RequestTooLargeError, ValidationError
 from kvinfer.kv.cache import make_cache
 from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
-from kvinfer.loaders.model_loader import LoadedModel, load_model
+from kvinfer.loaders.model_loader import LoadedModel, load_model, resolve_source
 from kvinfer.request import Request, RequestStatus
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
@@ -58,6 +58,10 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
+            from kvinfer.parallel import check_tp_size
+
+            check_tp_size(resolve_source(config.model, config.load_format).config, config.tensor_parallel_size)
         self.loaded = loaded or load_model(config)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
