@@ -300,3 +300,19 @@ def test_killed_worker_gives_503_and_the_server_exits_nonzero(tiny_dir):
         assert "tensor-parallel worker rank 1" in srv.stderr.read()
     finally:
         _end(srv)
+
+
+# ---- CUDA / NCCL ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
+def test_nccl_tp2_matches_tp1(tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    kw = dict(dtype="float32", device="cuda", kv_cache_memory=4 << 20)
+    ref = LLM(tiny_dir, **kw).generate([prompt], params, use_tqdm=False)
+    llm = LLM(tiny_dir, tensor_parallel_size=2, **kw)
+    try:
+        out = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids

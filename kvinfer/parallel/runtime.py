@@ -196,6 +196,8 @@ def _worker_runner(loaded, kv_spec) -> ModelRunner:
 def run_worker_node(config: EngineConfig) -> int:
     """A process that is not rank 0 (node_rank > 0, or a torchrun rank): start this node's other ranks, serve."""
     rdv = Rendezvous.from_config(config)
+    print(f"kvinfer: tensor-parallel ranks {rdv.rank}-{rdv.rank + rdv.local_world - 1} of {rdv.world}, joining "
+          f"rank 0 at {rdv.addr}:{rdv.port}; this process runs the model only", file=sys.stderr)
     procs = _spawn(config, rdv)
     try:
         return run_worker(config, rdv, rdv.rank)
