@@ -273,6 +273,9 @@ def main(argv=None) -> int:
 
     try:
         if getattr(args, "tensor_parallel_size", 1) > 1 or "RANK" in os.environ:
+            # c10d's C++ warnings (a peer's socket closing, a rendezvous poll timing out) would bury the one-line
+            # error that names what happened.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             from kvinfer.parallel import is_worker_process, run_worker_node
 
             config = engine_config_from_args(args)

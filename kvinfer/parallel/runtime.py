@@ -92,16 +92,18 @@ def _compute_backend(device: torch.device) -> str:
 
 def _join(rdv: Rendezvous, rank: int, device: torch.device, store=None):
     """init_process_group for `rank`; returns (control group, compute group)."""
+    # The default group's timeout bounds the rendezvous itself (a node that never comes); then two groups: the
+    # control group (gloo, no practical timeout) carries rank 0's plans, for which an idle worker may wait for
+    # hours; the compute group's all-reduces time out, so a hung rank fails the step.
     if rdv.torchrun:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=rdv.world, timeout=IDLE_TIMEOUT)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=rdv.world, timeout=START_TIMEOUT)
     else:
         if store is None:
             store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=False, timeout=START_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=rdv.world, timeout=IDLE_TIMEOUT)
-    # Two groups: the default one (gloo, no practical timeout) carries rank 0's plans, for which an idle worker
-    # may wait for hours; the compute group's all-reduces time out, so a hung rank fails the step.
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=rdv.world, timeout=START_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     compute = dist.new_group(backend=_compute_backend(device), timeout=STEP_TIMEOUT)
-    return dist.group.WORLD, compute
+    return control, compute
 
 
 def _recv(group):

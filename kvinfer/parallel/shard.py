@@ -37,9 +37,9 @@ def check_tp_size(cfg: ModelConfig, tp: int, param: str = "tensor_parallel_size"
                                          f"{cfg.num_kv_heads} KV heads; sizes that work for this model: {sizes}")
 
 
-def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+def kv_heads_per_rank(cfg: ModelConfig, tp: int, param: str = "tensor_parallel_size") -> int:
     """KV heads each rank holds: split when they divide, one replicated head when there are fewer than ranks."""
-    check_tp_size(cfg, tp)
+    check_tp_size(cfg, tp, param)
     return max(1, cfg.num_kv_heads // tp)
 
 
