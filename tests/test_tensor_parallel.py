@@ -148,23 +148,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 
 @pytest.fixture(scope="module")
-def float_activations():
-    """Float32 activations in the quantized matmuls, here and in the workers (they read KVINFER_INT16 at import).
-
-    The default int16 route makes logprobs depend on how a matmul is cut (~1e-3, docs/ARCHITECTURE.md), so
-    TP 1 and TP 3 are compared where they can agree within 1e-4.
-    """
-    from kvinfer import kernels
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVINFER_INT16", "0")
-        old = kernels.set_int16_max_rows(0)
-        yield
-        kernels.set_int16_max_rows(old)
-
-
-@pytest.fixture(scope="module")
-def tp3_engine(builtin_model_path, float_activations):
+def tp3_engine(builtin_model_path):
     from kvinfer.engine.llm_engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=None, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512,

@@ -12,7 +12,7 @@ from torch import nn
 from kvinfer.config import ModelConfig
 from kvinfer.errors import UnsupportedError, ValidationError
 from kvinfer.layers.mlp import SwiGLU
-from kvinfer.layers.quant_linear import QuantLinear
+from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 from kvinfer.loaders.dequant import block_info
 
 
@@ -98,10 +98,17 @@ def _take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
         if m._weight is not None:
             q._weight = m._weight.index_select(0, rows)  # the prefill copy, without dequantizing again
         return q
-    w = m.weight.detach()
-    lin = nn.Linear(w.shape[1], len(rows), bias=bias is not None, device=w.device, dtype=w.dtype)
+    return _float_linear(m, m.weight.detach().index_select(0, rows), bias)
+
+
+def _float_linear(like: nn.Module, w: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
+    """A float linear over `w` of the same kind as `like` (KernelLinear keeps rows batch-invariant on CPU)."""
+    w = w.contiguous()
+    if isinstance(like, KernelLinear):
+        return KernelLinear(w, bias)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        lin.weight.copy_(w.index_select(0, rows))
+        lin.weight.copy_(w)
         if bias is not None:
             lin.bias.copy_(bias)
     return lin
@@ -125,10 +132,7 @@ def _take_cols(m: nn.Module, k0: int, k1: int, name: str, group, stats: CommStat
         if m._weight is not None:
             inner._weight = m._weight[:, k0:k1].contiguous()
     else:
-        w = m.weight.detach()
-        inner = nn.Linear(k1 - k0, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            inner.weight.copy_(w[:, k0:k1])
+        inner = _float_linear(m, m.weight.detach()[:, k0:k1], None)
     return RowParallel(inner, bias, group, stats)
 
 
