@@ -172,7 +172,10 @@ def test_builtin_model_tp3_matches_tp1(tp3_engine, builtin_llm):
     for r, i in zip(ref, ids):
         a, b = r.outputs[0], done[i].outputs[0]
         assert a.token_ids == b.token_ids
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        # Not 1e-4: the quantized matmuls round activations to int16 per block, so the all-reduce's other
+        # summation order (~1e-7 relative) flips some roundings (1.5e-5 relative each). Measured: at most 2.3e-3
+        # here, 9e-6 with KVINFER_KERNELS=0 (float weights); the tiny float models below hold 1e-4.
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-2
     assert eng.tp.stats.allreduce_calls == eng.tp.stats.steps * 2 * eng.model_config.num_layers
 
 
