@@ -221,7 +221,7 @@ def test_two_nodes_on_loopback(tiny_dir):
                   node_rank=0, master_addr="127.0.0.1", master_port=port)
         assert not llm.engine.tp.procs  # one process per node: node 0 started none
         out = llm.generate([prompt], params, use_tqdm=False)
-        llm.engine.close()
+        llm.close()
         assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
         assert node1.wait(TIMEOUT) == 0, node1.stderr.read()
     finally:
@@ -301,5 +301,5 @@ def test_nccl_tp2_matches_tp1(tiny_dir):
     try:
         out = llm.generate([prompt], params, use_tqdm=False)
     finally:
-        llm.engine.close()
+        llm.close()
     assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
