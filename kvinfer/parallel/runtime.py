@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import signal
@@ -53,10 +54,7 @@ class Rendezvous:
     addr: str
     port: int  # 0: rank 0 picks a free one (single node)
     torchrun: bool  # started by torchrun: its env:// rendezvous, one process per rank, nothing spawned
-
-    @property
-    def local_world(self) -> int:
-        return len(self.spawn_ranks) + 1
+    local_world: int  # ranks on this machine, which share its cores
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Rendezvous":
@@ -66,12 +64,12 @@ class Rendezvous:
             if world != tp:
                 raise ValidationError("tensor_parallel_size", tp, f"must equal WORLD_SIZE={world} set by torchrun")
             return cls(world, int(env["RANK"]), (), env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", "0") or 0),
-                       True)
+                       True, int(env.get("LOCAL_WORLD_SIZE", world)))
         per_node = tp // config.nnodes
         first = config.node_rank * per_node
         port = config.master_port or (DEFAULT_MULTINODE_PORT if config.nnodes > 1 else 0)
         return cls(tp, first, tuple(range(first + 1, first + per_node)), config.master_addr or "127.0.0.1", port,
-                   False)
+                   False, per_node)
 
 
 def is_worker_process(config: EngineConfig) -> bool:
@@ -198,8 +196,9 @@ def _worker_runner(loaded, kv_spec) -> ModelRunner:
 def run_worker_node(config: EngineConfig) -> int:
     """A process that is not rank 0 (node_rank > 0, or a torchrun rank): start this node's other ranks, serve."""
     rdv = Rendezvous.from_config(config)
-    print(f"kvinfer: tensor-parallel ranks {rdv.rank}-{rdv.rank + rdv.local_world - 1} of {rdv.world}, joining "
-          f"rank 0 at {rdv.addr}:{rdv.port}; this process runs the model only", file=sys.stderr)
+    mine = f"ranks {rdv.rank}-{rdv.spawn_ranks[-1]}" if rdv.spawn_ranks else f"rank {rdv.rank}"
+    print(f"kvinfer: tensor-parallel {mine} of {rdv.world}, joining rank 0 at {rdv.addr}:{rdv.port}; "
+          f"this node runs the model only", file=sys.stderr)
     procs = _spawn(config, rdv)
     try:
         return run_worker(config, rdv, rdv.rank)
@@ -294,7 +293,7 @@ class TensorParallel:
         if not rdv.torchrun:
             store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=True, timeout=START_TIMEOUT,
                                   wait_for_workers=False)
-            rdv = Rendezvous(rdv.world, 0, rdv.spawn_ranks, rdv.addr, store.port, False)
+            rdv = dataclasses.replace(rdv, port=store.port)
         procs = _spawn(config, rdv)
         try:
             control, compute = _join(rdv, 0, loaded.device, store)
