@@ -114,6 +114,22 @@ def test_engine_config_validates_parallel_fields():
         assert e.value.param == param
 
 
+def test_bench_reports_the_allreduce_share(capsys):
+    from types import SimpleNamespace
+
+    from kvinfer.bench.cli import _print_tp, _tp_comm
+    from kvinfer.parallel.shard import CommStats
+
+    stats = CommStats(allreduce_s=0.3, allreduce_calls=120, allreduce_bytes=120 * 2304, broadcast_s=0.02, steps=2)
+    c = _tp_comm(SimpleNamespace(tp=SimpleNamespace(size=3, stats=stats)), wall_s=1.0)
+    assert c["allreduce_ms"] == pytest.approx(150.0) and c["allreduce_share"] == pytest.approx(0.3)
+    assert c["step_ms"] == pytest.approx(500.0) and c["allreduce_calls"] == 60
+    _print_tp(c)
+    assert "tensor parallel 3: all-reduce 150.00 ms per step (60 calls, 135.0 KiB) of 500.00 ms = 30.0%" in \
+        capsys.readouterr().out
+    assert _tp_comm(SimpleNamespace(tp=None), 1.0) is None
+
+
 # ---- every family, sharded, against the unsharded model (one 3-rank gloo job) ---------------------------
 def test_every_family_tp2_and_tp3_match_tp1():
     import torch.multiprocessing as mp
