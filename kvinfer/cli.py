@@ -86,6 +86,15 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="CPU threads for torch (default: all cores)")
     g.add_argument("--seed", type=seed_int("--seed"), default=0,
                    help="engine seed for requests without their own (default 0)")
+    t = p.add_argument_group("tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    t.add_argument("--tensor-parallel-size", "-tp", type=int_at_least("--tensor-parallel-size"), default=1,
+                   help="ranks the model is sharded over; on one machine the engine starts the extra ones (default 1)")
+    t.add_argument("--nnodes", type=int_at_least("--nnodes"), default=1, help="machines sharing the ranks (default 1)")
+    t.add_argument("--node-rank", type=int_at_least("--node-rank", 0), default=0,
+                   help="this machine's index; node 0 runs the engine (and server), the others only the model")
+    t.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1)")
+    t.add_argument("--master-port", type=int_at_least("--master-port"), default=None,
+                   help="node 0's rendezvous port (default: a free one on one machine, 29500 across machines)")
 
 
 def engine_config_from_args(args):
@@ -100,7 +109,9 @@ def engine_config_from_args(args):
                         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                        num_threads=args.threads, tokenizer=args.tokenizer)
+                        num_threads=args.threads, tokenizer=args.tokenizer,
+                        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                        master_addr=args.master_addr, master_port=args.master_port)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -380,6 +391,15 @@ def main(argv=None) -> int:
     from kvinfer.errors import KvinferError
 
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 or "RANK" in os.environ:
+            # c10d's C++ warnings (a peer's socket closing, a rendezvous poll timing out) would bury the one-line
+            # error that names what happened.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            from kvinfer.parallel import is_worker_process, run_worker_node
+
+            config = engine_config_from_args(args)
+            if is_worker_process(config):  # node_rank > 0 or a torchrun rank: run the model, no front end
+                return run_worker_node(config)
         return args.func(args) or 0
     except KvinferError as e:
         print(f"kvinfer: error: {e}", file=sys.stderr)

@@ -396,6 +396,12 @@ class EngineConfig:
     seed: int = 0
     num_threads: Optional[int] = None
     tokenizer: Optional[str] = None
+    # Tensor parallelism: ranks over `nnodes` machines (tensor_parallel_size / nnodes each); node 0 runs the engine.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None  # node 0's address (default 127.0.0.1)
+    master_port: Optional[int] = None  # default: a free port on one node, 29500 across nodes
 
     def __post_init__(self):
         if self.kv_cache not in KV_BACKENDS:
@@ -426,6 +432,15 @@ class EngineConfig:
             raise ValidationError("seed", self.seed, "must be an integer that fits in 64 bits")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValidationError("num_threads", self.num_threads, "must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValidationError("tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValidationError("nnodes", self.nnodes,
+                                  f"must be >= 1 and divide tensor_parallel_size={self.tensor_parallel_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValidationError("node_rank", self.node_rank, f"must be in [0, {self.nnodes})")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValidationError("master_port", self.master_port, "must be in [1, 65535]")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

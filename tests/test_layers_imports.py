@@ -10,7 +10,7 @@ LAYERS = {
     0: ["errors", "config", "sampling_params", "utils"],
     1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant"],
     2: ["models", "loaders", "kv"],
-    3: ["scheduler", "engine.model_runner"],
+    3: ["scheduler", "engine.model_runner", "parallel"],
     4: ["engine"],
     5: ["server", "cli", "bench", "lab"],
 }

@@ -110,6 +110,26 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def _tp_comm(engine, wall_s: float):
+    """Rank 0's all-reduce time per step and its share of the step, over the measured run (None without TP)."""
+    tp = engine.tp
+    if tp is None or not tp.stats.steps:
+        return None
+    s = tp.stats
+    return dict(tp=tp.size, steps=s.steps, step_ms=wall_s / s.steps * 1e3,
+                allreduce_ms=s.allreduce_s / s.steps * 1e3, allreduce_calls=s.allreduce_calls / s.steps,
+                allreduce_bytes=s.allreduce_bytes / s.steps, allreduce_share=s.allreduce_s / wall_s,
+                broadcast_ms=s.broadcast_s / s.steps * 1e3, broadcast_share=s.broadcast_s / wall_s)
+
+
+def _print_tp(c) -> None:
+    if c:
+        print(f"  tensor parallel {c['tp']}: all-reduce {c['allreduce_ms']:.2f} ms per step "
+              f"({c['allreduce_calls']:.0f} calls, {c['allreduce_bytes'] / 1024:.1f} KiB) of {c['step_ms']:.2f} ms "
+              f"= {c['allreduce_share'] * 100:.1f}% of the step; plan broadcast {c['broadcast_ms']:.2f} ms "
+              f"({c['broadcast_share'] * 100:.1f}%); {c['steps']} steps")
+
+
 def cmd_decode(args) -> int:
     import random
 
@@ -129,6 +149,8 @@ def cmd_decode(args) -> int:
 
     def ours(engine=engine):
         rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+        if engine.tp is not None:
+            engine.tp.stats.reset()
         t0 = time.perf_counter()
         times = []
         cached = 0
@@ -138,7 +160,7 @@ def cmd_decode(args) -> int:
                     times.append(time.perf_counter())
                     cached = o.num_cached_tokens
         return dict(ttft=times[0] - t0, decode_tps=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times),
-                    cached_prompt_tokens=cached)
+                    cached_prompt_tokens=cached, tp_comm=_tp_comm(engine, times[-1] - t0))
 
     # Warm-up: the first steps pay one-off costs (allocator, kernel selection). Another prompt of the same
     # length, so the measured prefill is not served from the prefix cache.
@@ -151,6 +173,7 @@ def cmd_decode(args) -> int:
 
     warm_up(engine)
     rows = [dict(name="kvinfer", load_s=engine.loaded.load_seconds, startup_s=startup, **ours())]
+    engine.close()
     path = engine.loaded.source.path
     for peer in args.compare:
         if peer == "no-invariance":
@@ -158,6 +181,7 @@ def cmd_decode(args) -> int:
                 other = LLMEngine(cfg)
                 warm_up(other)
                 rows.append(dict(name="kvinfer*", load_s=other.loaded.load_seconds, **ours(other)))
+            other.close()
             del other
         elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_decode
@@ -223,6 +247,7 @@ def cmd_decode(args) -> int:
             print(f"{r['name']}: {r['command']} (TTFT = prompt / its pp rate)")
         if r["name"] == "kvinfer*":
             print(f"kvinfer*: {NO_INVARIANCE} (BLAS and SDPA for prefill-sized steps; not batch-invariant)")
+    _print_tp(rows[0]["tp_comm"])
     return 0
 
 
@@ -247,6 +272,8 @@ def cmd_throughput(args) -> int:
         warm = throughput_workload(1, args.workload_seed + 1, vocab_size=eng.model_config.vocab_size)[0]
         llm.generate([warm.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
+        if eng.tp is not None:
+            eng.tp.stats.reset()
         t0 = time.perf_counter()
         outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
         return work, outs, time.perf_counter() - t0
@@ -269,7 +296,7 @@ def cmd_throughput(args) -> int:
                 kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token,
                 kv_utilisation=util, preemptions=eng.scheduler.num_preemptions,
                 peak_rss=rss_peak, weights_bytes=weights, kv_bytes=kv_budget,
-                overhead_bytes=rss_peak - weights - kv_budget)
+                overhead_bytes=rss_peak - weights - kv_budget, tp_comm=_tp_comm(eng, secs))
     dtype = eng.loaded.dtype
     if not args.json:  # ours first, so a long peer run never hides them
         print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
@@ -283,14 +310,18 @@ def cmd_throughput(args) -> int:
         print(f"  preemptions          {ours['preemptions']}")
         print(f"  peak RSS             {format_bytes(rss_peak)} = weights {format_bytes(weights)} + KV budget "
               f"{format_bytes(kv_budget)} + overhead {format_bytes(ours['overhead_bytes'])}")
+        _print_tp(ours["tp_comm"])
         sys.stdout.flush()
     rows = [ours]
     path = eng.loaded.source.path
+    eng.close()
     del llm, eng
     for peer in args.compare:
         if peer == "no-invariance":
             with _invariance_off():
-                _, o2, s2 = run(LLM(config=cfg))
+                peer_llm = LLM(config=cfg)
+                _, o2, s2 = run(peer_llm)
+                peer_llm.close()
             g2 = sum(len(o.outputs[0].token_ids) for o in o2)
             rows.append(dict(name=NO_INVARIANCE, seconds=s2, tps=g2 / s2, generated=g2))
         elif peer == "transformers":

@@ -182,6 +182,7 @@ class AsyncLLMEngine:
         self._stats = EngineStats()
         self._stopping = False
         self._dead: Optional[BaseException] = None
+        self.on_dead: Optional[Callable[[], None]] = None  # called from the engine thread once it has failed
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="kvinfer-engine", daemon=True)
         if start:
@@ -204,6 +205,9 @@ class AsyncLLMEngine:
         self._commands.put(("stop",))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def is_running(self) -> bool:
@@ -313,12 +317,17 @@ class AsyncLLMEngine:
                     try:
                         self._step()
                     except Exception as e:
+                        if getattr(e, "fatal", False):
+                            raise  # a lost tensor-parallel rank: no later step can run
                         self._recover(e)
                         self._snapshot()
                 else:
                     self._snapshot()
         except BaseException as e:  # a bug in the engine: fail every open stream rather than hang them
-            log.exception("engine thread failed")
+            if getattr(e, "fatal", False):
+                log.error("engine stopped: %s", e)
+            else:
+                log.exception("engine thread failed")
             self._dead = e
         finally:
             self._stopping = True
@@ -335,6 +344,8 @@ class AsyncLLMEngine:
                     self._resolve(c[1]._loop, c[3], err)
                 elif c[0] == "call":
                     self._resolve(c[2], c[3], err)
+            if self._dead is not None and self.on_dead is not None:
+                self.on_dead()
 
     def _handle(self, cmd: tuple) -> None:
         eng = self.engine

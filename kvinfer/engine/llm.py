@@ -54,6 +54,10 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    def close(self) -> None:
+        """End the tensor-parallel workers now rather than at exit (a no-op without them)."""
+        self.engine.close()
+
     def chat(self, messages, params: Optional[SamplingParams] = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]

@@ -13,7 +13,7 @@ from kvinfer.config import EngineConfig, ModelConfig, kv_scale_bytes
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvinfer.errors import ModelLoadError, RequestTooLargeError, ValidationError
-from kvinfer.kv.cache import ContiguousCache, NoCache, PagedCache
+from kvinfer.kv.cache import make_cache
 from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
@@ -149,27 +149,35 @@ class LLMEngine:
         source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
+            from kvinfer.parallel import check_tp_size
+
+            check_tp_size(resolve_source(config.model, config.load_format).config, config.tensor_parallel_size)
         self.loaded = loaded or load_model(config, source=source)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = resolve_max_model_len(config, mc)
         dtype, device = self.loaded.dtype, self.loaded.device
+        self.tp = None  # TensorParallel on rank 0 when tensor_parallel_size > 1
+        kv_cfg = mc  # the shapes this process's KV cache holds: a rank's share of the KV heads under TP
+        if config.tensor_parallel_size > 1:
+            from kvinfer.parallel import local_config
+
+            kv_cfg = local_config(mc, config.tensor_parallel_size)  # also checks the head counts
         kv_dtype = config.kv_cache_dtype if config.kv_cache != "none" else "auto"  # `none` keeps no K/V
-        self.kv_bytes_per_token = kv_bytes_per_token(config, mc, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cfg, dtype)
         self.kv_dtype = kv_dtype if kv_dtype != "auto" else str(dtype).replace("torch.", "")
         kind = config.kv_cache
         count, _ = kv_layout(config, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config))
         if kind == "paged":
             self.kv_manager = PagedKVManager(count, config.block_size, config.enable_prefix_caching)
-            self.kv_cache = PagedCache(mc.num_layers, count, config.block_size, mc.num_kv_heads, mc.head_dim,
-                                       dtype, device, kv_dtype)
         elif kind == "contiguous":
             self.kv_manager = SlotManager(count, self.max_model_len)
-            self.kv_cache = ContiguousCache(mc.num_layers, count, mc.num_kv_heads, self.max_model_len,
-                                            mc.head_dim, dtype, device, kv_dtype)
         else:
             self.kv_manager = NullManager()
-            self.kv_cache = NoCache(mc.num_layers, device, dtype)
+        kv_spec = (kind, mc.num_layers, count, config.block_size, kv_cfg.num_kv_heads, self.max_model_len,
+                   mc.head_dim, dtype, device, kv_dtype)
+        self.kv_cache = make_cache(*kv_spec)
         if mc.position == "alibi":
             self.kv_cache.alibi = self.loaded.model.alibi
         self.kv_cache.sliding_window = mc.sliding_window
@@ -180,7 +188,13 @@ class LLMEngine:
                  f"blocks of {config.block_size}" if kind == "paged" else "slots", cap)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
+        else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
+            from kvinfer.parallel import TensorParallel
+
+            self.tp = TensorParallel.start(config, self.loaded)
+            self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
         self.sampler = Sampler()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.groups: dict[str, _Group] = {}
@@ -415,3 +429,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """End the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.shutdown()

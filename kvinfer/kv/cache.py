@@ -350,3 +350,13 @@ class PagedCache(_Backend):
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for t in self.k + self.v + self.k_scale + self.v_scale:
             t[dst] = t[src]
+
+
+def make_cache(kind: str, num_layers: int, count: int, block_size: int, num_kv_heads: int, max_len: int,
+               head_dim: int, dtype, device, kv_dtype: str = "auto") -> _Backend:
+    """The backend `kind` with `count` blocks (paged) or slots (contiguous); num_kv_heads is this rank's share."""
+    if kind == "paged":
+        return PagedCache(num_layers, count, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
+    if kind == "contiguous":
+        return ContiguousCache(num_layers, count, num_kv_heads, max_len, head_dim, dtype, device, kv_dtype)
+    return NoCache(num_layers, device, dtype)

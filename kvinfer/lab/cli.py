@@ -68,7 +68,8 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                    help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per row)")
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
-    p.add_argument("--tp", type=_positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tp", type=_positive_int("--tensor-parallel-size"),
+                   default=1, help="tensor-parallel size: KV heads, KV budget and blocks are per rank (default 1)")
     p.add_argument("--workload", default=None,
                    help="request lengths (prompt + output): uniform:A-B, mean:L or mix:W@A-B,...; default a mix "
                         "of 60%% 128-1024, 30%% 1025-4096, 10%% 4097-8192 clipped to max_model_len")

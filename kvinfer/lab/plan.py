@@ -150,13 +150,9 @@ def parse_workload(spec: Optional[str], max_model_len: int) -> Workload:
 # ---- the plan ----------------------------------------------------------------------------------
 def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
     """KV heads each device holds: split when they divide, one replicated head when there are fewer heads."""
-    if tp < 1:
-        raise ValidationError("tp", tp, "must be >= 1")
-    if cfg.num_heads % tp:
-        raise ValidationError("tp", tp, f"must divide the {cfg.num_heads} attention heads")
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        raise ValidationError("tp", tp, f"must divide, or be a multiple of, the {cfg.num_kv_heads} KV heads")
-    return max(1, cfg.num_kv_heads // tp)
+    from kvinfer.parallel.shard import kv_heads_per_rank
+
+    return kv_heads_per_rank(cfg, tp, "tp")  # the engine's own rule, so the plan and a -tp run agree
 
 
 def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "float16", block_size: int = 16,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
 DEFAULT_MAX_QUEUE = 256  # mirrors kvinfer.engine.async_engine; kept here so `--help` does not import torch
@@ -82,6 +84,9 @@ def cmd_serve(args) -> int:
     from kvinfer.server.app import create_app, default_model_name
 
     engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
+    # A fatal engine failure (a lost tensor-parallel rank) stops the server the way Ctrl-C does; requests in
+    # flight get their 503 first (graceful shutdown), and the exit code says it failed.
+    engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGINT)
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -99,5 +104,8 @@ def cmd_serve(args) -> int:
         pass
     finally:
         engine.shutdown()
+    if engine._dead is not None:
+        print(f"kvinfer: error: {engine._dead}", file=sys.stderr)
+        return 1
     print("kvinfer: server stopped", file=sys.stderr)
     return 0
