@@ -55,6 +55,18 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged") -> No
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="ngram: propose tokens by prompt lookup; draft: a smaller model proposes "
+                        "(--speculative-model); greedy output is unchanged, sampling keeps its distribution")
+    s.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="draft model with the target's tokenizer (implies --speculative draft)")
+    s.add_argument("--num-speculative-tokens", type=int_at_least("--num-speculative-tokens"), default=4,
+                   help="most tokens proposed per step (default 4)")
+    s.add_argument("--ngram-min", type=int_at_least("--ngram-min"), default=1,
+                   help="shortest n-gram looked up (default 1)")
+    s.add_argument("--ngram-max", type=int_at_least("--ngram-max"), default=4,
+                   help="longest n-gram looked up, tried first (default 4)")
 
 
 def engine_config_from_args(args):
@@ -69,7 +81,10 @@ def engine_config_from_args(args):
                         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                        num_threads=args.threads, tokenizer=args.tokenizer)
+                        num_threads=args.threads, tokenizer=args.tokenizer,
+                        speculative=args.speculative or ("draft" if args.speculative_model else None),
+                        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:

@@ -1,0 +1,108 @@
+"""Speculator: which running requests propose this step, how many tokens, from which proposer; acceptance stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from kvinfer.request import Request
+from kvinfer.spec.ngram import NgramIndex
+
+# A request whose proposals stop paying off sits out 2, 4, ... up to this many steps before it tries again.
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass
+class _State:
+    index: Optional[NgramIndex]
+    k: int  # tokens to propose next time: shrinks after partial acceptance, grows back after full
+    rate: float = 1.0  # moving average of accepted / proposed
+    skip: int = 0  # steps left to sit out
+    misses: int = 0  # consecutive back-offs
+
+
+class Speculator:
+    """Proposals for the engine's next step, and the bookkeeping that turns them off where they do not pay.
+
+    A verified token costs one more row in the step; an accepted one saves a whole step. At one sequence
+    per step rows are nearly free (the weights are read once either way), so even a low acceptance rate pays;
+    with many sequences per step the step is compute-bound and a rejected row is pure cost. The threshold on
+    a request's acceptance rate therefore rises with the number of running sequences.
+    """
+
+    def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None):
+        self.method = method
+        self.k = k
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.draft = draft  # DraftProposer for method "draft"
+        self.states: dict[str, _State] = {}
+        self.num_drafts = 0  # verifications run
+        self.num_draft_tokens = 0  # proposed tokens verified
+        self.num_accepted_tokens = 0
+
+    def threshold(self, num_running: int) -> float:
+        return min(0.8, 0.15 + 0.025 * (num_running - 1))
+
+    def propose(self, running: Sequence[Request], max_model_len: int) -> None:
+        """Sets spec_token_ids (and spec_probs) on the running requests that should propose this step."""
+        cands = []
+        for r in running:
+            r.spec_token_ids, r.spec_probs = [], None
+            # Only sequences in decode (one pending token) with a first output token (n > 1 forks happen then).
+            if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            st = self.states.get(r.request_id)
+            if st is None:
+                index = NgramIndex(self.ngram_min, self.ngram_max) if self.method == "ngram" else None
+                st = self.states[r.request_id] = _State(index, self.k)
+            if st.skip > 0:
+                st.skip -= 1
+                continue
+            # Verification of k tokens emits up to k + 1; never past max_tokens or the context window.
+            k = min(st.k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
+            if k > 0:
+                cands.append((r, k, st))
+        if not cands:
+            return
+        if self.method == "ngram":
+            for r, k, st in cands:
+                r.spec_token_ids = st.index.propose(r.all_token_ids, k)
+        else:
+            self.draft.propose([(r, k) for r, k, _ in cands])
+
+    def release(self, running: Sequence[Request]) -> None:
+        """Forget requests no longer running (finished, aborted, preempted) and free their draft KV."""
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self.states if rid not in live]:
+            del self.states[rid]
+        if self.draft is not None:
+            self.draft.release(live)
+
+    def record(self, r: Request, num_proposed: int, num_accepted: int, num_running: int) -> None:
+        """After a verification: statistics, and this request's proposal length and back-off."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        st = self.states.get(r.request_id)
+        if st is None or num_proposed == 0:
+            return
+        rate = num_accepted / num_proposed
+        st.rate = 0.5 * st.rate + 0.5 * rate
+        st.k = min(self.k, st.k + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
+        if st.rate < self.threshold(num_running):
+            st.misses += 1
+            st.skip = min(MAX_BACKOFF_STEPS, 2 ** st.misses)
+            st.rate = 0.5  # after sitting out, one more poor verification sends it back
+        elif rate >= 0.5:
+            st.misses = 0
+
+    def metrics(self) -> dict:
+        return dict(spec_drafts=self.num_drafts, spec_draft_tokens=self.num_draft_tokens,
+                    spec_accepted_tokens=self.num_accepted_tokens)
+
+
+def acceptance(stats: dict) -> tuple[float, float]:
+    """(acceptance rate, mean accepted length) from engine stats: accepted / proposed, and tokens emitted per
+    verification (the accepted ones plus the target's own), as vLLM reports them."""
+    drafts, proposed, accepted = stats.get("spec_drafts", 0), stats.get("spec_draft_tokens", 0), \
+        stats.get("spec_accepted_tokens", 0)
+    return (accepted / proposed if proposed else 0.0), (1 + accepted / drafts if drafts else 0.0)

@@ -1,0 +1,231 @@
+"""Speculative decoding: n-gram and draft proposals verified in the engine give the non-speculative output."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvinfer import LLM, SamplingParams
+from kvinfer.errors import ValidationError
+from kvinfer.kv.manager import PagedKVManager
+from kvinfer.request import Request
+from kvinfer.sampler import Sampler, SampleRow
+from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.spec.ngram import NgramIndex
+from kvinfer.spec.rejection import verify
+from tests.conftest import assert_engine_clean, save_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def extractive_prompts(n, seed=0, vocab=256):
+    """Prompts that repeat a random span, so the greedy continuation often copies and n-grams find it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        span = [rng.randrange(3, vocab) for _ in range(rng.randint(6, 14))]
+        out.append([rng.randrange(3, vocab)] + span + span[:rng.randint(2, 5)])
+    return out
+
+
+def generate(model_dir, ps, params=GREEDY, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    kw.setdefault("block_size", 4)
+    llm = LLM(model_dir, **kw)
+    outs = llm.generate(ps, params)
+    assert_engine_clean(llm.engine)
+    return outs, llm
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir):
+    ps = extractive_prompts(8) + [[5, 9, 200, 17]]  # the last one has nothing to look up at first
+    outs, _ = generate(tiny_llama_dir, ps)
+    return ps, outs
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_same(outs, ref):
+    assert tokens(outs) == tokens(ref)
+    for o, r in zip(outs, ref):
+        for c, rc in zip(o.outputs, r.outputs):
+            assert c.finish_reason == rc.finish_reason
+            if rc.logprobs is not None:  # each token's logprobs come from its own verification row
+                assert [lp.token_id for lp in c.logprobs] == [lp.token_id for lp in rc.logprobs]
+                assert [t for t, _ in c.logprobs[-1].top] == [t for t, _ in rc.logprobs[-1].top]
+                assert max(abs(a.logprob - b.logprob) for a, b in zip(c.logprobs, rc.logprobs)) < 1e-4
+
+
+# ---- proposers and bookkeeping ---------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex(1, 3)
+    toks = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # Suffix (1, 2, 3) occurred at the start only; (2, 3) also later, but the longest n-gram wins.
+    assert idx.propose(toks, 3) == [4, 5, 9]
+    toks += [7]  # suffix (2, 3, 7) occurred once, followed by 8, 1
+    assert idx.propose(toks, 2) == [8, 1]
+    assert NgramIndex(2, 2).propose([5, 6, 7, 8], 4) == []  # no earlier occurrence of (7, 8)
+    assert NgramIndex(1, 1).propose([4, 4], 3) == [4]  # the continuation stops at the end of the tokens
+
+
+def test_trim_returns_rejected_blocks_and_hashes_only_known_tokens():
+    m = PagedKVManager(8, 4)
+    r = Request("a", list(range(10, 16)), SamplingParams(max_tokens=8))  # 6 known tokens
+    assert m.allocate_slots(r, 6)
+    r.num_computed_tokens = 5  # one pending token, then 5 proposed: positions 5..10 in this step
+    assert m.allocate_slots(r, 6) and len(m.get_block_table(r)) == 3
+    assert len(m.block_hashes["a"]) == 1  # the full block of proposed tokens is not in the prefix cache
+    m.trim(r, 7)  # two proposals accepted: 7 tokens have valid KV
+    assert len(m.get_block_table(r)) == 2 and m.num_free_blocks == 6
+    m.check_integrity()
+
+
+def test_scheduler_drops_proposals_before_preempting():
+    m = PagedKVManager(4, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64), m)
+    a, b = (Request(x, [1, 2, 3], SamplingParams(max_tokens=8)) for x in "ab")
+    for r in (a, b):
+        sched.add_request(r)
+    sched.update_after_step(sched.schedule())
+    for r in (a, b):
+        r.output_token_ids.append(7)
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # would need 3 more blocks; only 2 are free
+    out = sched.schedule()
+    assert not out.preempted and [s.num_new_tokens for s in out.scheduled] == [1, 1]
+    assert out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
+
+
+# ---- greedy: identical output --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", ["paged", "contiguous", "none"])
+def test_ngram_greedy_output_is_unchanged(tiny_llama_dir, baseline, kv):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, kv_cache=kv, speculative="ngram", num_speculative_tokens=3)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_drafts"] > 0 and 0 < st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
+
+
+def test_ngram_with_chunked_prefill_preemption_and_prefix_caching(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    # 16 blocks of 4 tokens for 9 requests: preemptions; 7-token budget: prompts prefill in chunks while others
+    # verify proposals in the same step.
+    outs, llm = generate(tiny_llama_dir, ps, speculative="ngram", kv_cache_memory=512 * 4 * 16,
+                         max_num_batched_tokens=7)
+    assert_same(outs, ref)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.stats["spec_accepted_tokens"] > 0
+    again = llm.generate(ps[:2], GREEDY)  # served from the prefix cache, which only ever saw accepted tokens
+    assert_same(again, ref[:2]) and again[0].num_cached_tokens > 0
+    assert_engine_clean(llm.engine)
+
+
+def test_ngram_n_samples_stop_tokens_and_min_tokens(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    first = ref[0].outputs[0].token_ids[5]
+    cases = [SamplingParams(temperature=0, max_tokens=20, n=3, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first], ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop_token_ids=[first], ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)]
+    for sp in cases:
+        plain, _ = generate(tiny_llama_dir, ps[:3], sp)
+        spec, _ = generate(tiny_llama_dir, ps[:3], sp, speculative="ngram")
+        assert_same(spec, plain)
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, speculative_model=tiny_llama_dir, speculative="draft",
+                         num_speculative_tokens=4)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+    assert llm.engine.speculator.draft.manager.num_free_blocks == llm.engine.speculator.draft.manager.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_draft")
+    save_tiny_llama(path, seed=3, num_hidden_layers=1)
+    return str(path)
+
+
+def test_a_different_draft_keeps_the_greedy_output(tiny_llama_dir, baseline, other_draft_dir):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, speculative_model=other_draft_dir, speculative="draft",
+                         kv_cache_memory=512 * 4 * 24)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+
+
+def test_bad_speculative_settings_are_named(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValidationError, match="speculative_model"):
+        LLM(tiny_llama_dir, speculative="draft")
+    with pytest.raises(ValidationError, match="ngram_max"):
+        LLM(tiny_llama_dir, speculative="ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=0)
+    big = tmp_path / "big_vocab"
+    save_tiny_llama(big, vocab_size=300)
+    with pytest.raises(ValidationError, match="vocabulary"):
+        LLM(tiny_llama_dir, speculative_model=str(big), speculative="draft")
+
+
+# ---- sampling: the distribution is unchanged -------------------------------------------------------------------
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Emitted first tokens are distributed as the target's p, whatever the draft's q (and its guesses)."""
+    vocab, k, trials = 6, 2, 2500
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    p0 = torch.softmax(logits[0], -1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g), -1)  # the draft's own distribution
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    rows = [SampleRow(params, [1], [], g) for _ in range(k + 1)]
+    counts = {"draft": torch.zeros(vocab), "ngram": torch.zeros(vocab)}
+    sampler = Sampler()
+    for _ in range(trials):
+        d = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
+        counts["draft"][verify(sampler, logits, rows, d, q).token_ids[0]] += 1
+        counts["ngram"][verify(sampler, logits, rows, [3, 1]).token_ids[0]] += 1  # a fixed guess: point mass
+    for name, c in counts.items():
+        freq = c / trials
+        sigma = (p0 * (1 - p0) / trials).sqrt()
+        assert ((freq - p0).abs() <= 4.5 * sigma + 1e-3).all(), (name, freq, p0)
+
+
+@pytest.fixture(scope="module")
+def peaked_pair(tmp_path_factory):
+    """A target and a different draft whose next-token distributions are peaked enough to count samples of."""
+    from tests.reference_helpers import TINY_LLAMA_LIKE, save_tiny
+
+    dirs = [tmp_path_factory.mktemp(name) for name in ("peaked_target", "peaked_draft")]
+    target = save_tiny("LlamaConfig", "LlamaForCausalLM", dirs[0], seed=0, **TINY_LLAMA_LIKE)
+    save_tiny("LlamaConfig", "LlamaForCausalLM", dirs[1], seed=3, **TINY_LLAMA_LIKE)
+    return target, str(dirs[0]), str(dirs[1])
+
+
+def test_sampling_with_a_draft_matches_the_target_on_a_tiny_model(peaked_pair):
+    """The second token (the first one verified) after the commonest first token follows the target's p."""
+    from tests.reference_helpers import hf_logits
+
+    hf, target_dir, draft_dir = peaked_pair
+    prompt, temp, n = [7, 40, 99, 3], 0.7, 1500
+    sp = [SamplingParams(temperature=temp, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    llm = LLM(target_dir, dtype="float32", kv_cache_memory=16 << 20, block_size=4, max_num_seqs=256,
+              speculative_model=draft_dir, speculative="draft", num_speculative_tokens=2)
+    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+    st = llm.engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]  # both paths of rejection sampling ran
+    firsts = [o.outputs[0].token_ids[0] for o in outs]
+    t1 = max(set(firsts), key=firsts.count)
+    seconds = torch.tensor([o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == t1])
+    p = torch.softmax(hf_logits(hf, prompt + [t1])[-1] / temp, -1)
+    freq = torch.bincount(seconds, minlength=p.numel()).float() / len(seconds)
+    top = p.topk(5).indices
+    sigma = (p[top] * (1 - p[top]) / len(seconds)).sqrt()
+    assert len(seconds) > 200
+    assert ((freq[top] - p[top]).abs() <= 4.5 * sigma + 1e-3).all(), (freq[top], p[top])
