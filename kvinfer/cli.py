@@ -140,6 +140,17 @@ def stream_request(engine, ids: list[int], params, out=sys.stdout) -> Optional[o
     return final
 
 
+def spec_summary(stats: dict) -> str:
+    """' | speculative: ...' for a summary line: acceptance rate and mean accepted length."""
+    from kvinfer.spec.speculator import acceptance
+
+    d, p, a = stats["spec_drafts"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+    if not d:
+        return " | speculative: no proposals"
+    rate, length = acceptance(d, p, a)
+    return f" | speculative: {a}/{p} accepted ({rate * 100:.0f}%), mean accepted length {length:.2f}"
+
+
 def cmd_generate(args) -> int:
     from kvinfer.engine.llm_engine import LLMEngine
     from kvinfer.utils import format_bytes
@@ -159,8 +170,8 @@ def cmd_generate(args) -> int:
     print(f"[prompt tokens {len(ids)} | generated {n} ({o.finish_reason}) | TTFT {ttft * 1000:.0f} ms | "
           f"decode {((n - 1) / decode_s) if decode_s > 0 else float('nan'):.1f} tok/s | "
           f"KV cache in use {format_bytes(len(ids + o.token_ids) * engine.kv_bytes_per_token)} "
-          f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache}) | total {elapsed:.2f} s]",
-          file=sys.stderr)
+          f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache}) | total {elapsed:.2f} s"
+          f"{spec_summary(engine.stats) if engine.config.speculative else ''}]", file=sys.stderr)
     return 0
 
 

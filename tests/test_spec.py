@@ -229,3 +229,42 @@ def test_sampling_with_a_draft_matches_the_target_on_a_tiny_model(peaked_pair):
     sigma = (p[top] * (1 - p[top]) / len(seconds)).sqrt()
     assert len(seconds) > 200
     assert ((freq[top] - p[top]).abs() <= 4.5 * sigma + 1e-3).all(), (freq[top], p[top])
+
+
+# ---- front ends ------------------------------------------------------------------------------------------------
+def test_cli_speculative_errors_are_one_line(tiny_llama_dir, capsys):
+    from kvinfer.cli import main
+
+    for args, needle in ((["--speculative-model", "/no/such/draft"], "/no/such/draft"),
+                         (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_max"),
+                         (["--num-speculative-tokens", "0"], "--num-speculative-tokens")):
+        try:
+            code = main(["generate", "hi", "--model", tiny_llama_dir] + args)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_server_metrics_report_acceptance(tiny_llama_dir):
+    import httpx
+
+    from server_helpers import engine_config, metric, start_server
+
+    srv = start_server(engine_config(model=tiny_llama_dir, speculative="ngram", dtype="float32",
+                                     kv_cache_memory=4 << 20, max_model_len=256))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            body = dict(model=srv.model_name, prompt=extractive_prompts(1)[0], max_tokens=24, temperature=0,
+                        ignore_eos=True)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = c.get("/metrics").text
+    finally:
+        srv.stop()
+    proposed = metric(text, "kvinfer_spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "kvinfer_spec_decode_num_accepted_tokens_total")
+    drafts = metric(text, "kvinfer_spec_decode_num_drafts_total")
+    assert 0 < accepted <= proposed and drafts > 0
+    assert metric(text, "kvinfer_spec_decode_acceptance_rate") == pytest.approx(accepted / proposed)
+    assert metric(text, "kvinfer_spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts)

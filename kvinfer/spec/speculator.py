@@ -100,9 +100,7 @@ class Speculator:
                     spec_accepted_tokens=self.num_accepted_tokens)
 
 
-def acceptance(stats: dict) -> tuple[float, float]:
-    """(acceptance rate, mean accepted length) from engine stats: accepted / proposed, and tokens emitted per
-    verification (the accepted ones plus the target's own), as vLLM reports them."""
-    drafts, proposed, accepted = stats.get("spec_drafts", 0), stats.get("spec_draft_tokens", 0), \
-        stats.get("spec_accepted_tokens", 0)
+def acceptance(drafts: int, proposed: int, accepted: int) -> tuple[float, float]:
+    """(acceptance rate, mean accepted length): accepted / proposed, and tokens emitted per verification (the
+    accepted proposals plus the target's own token), as vLLM reports them; 0 before any verification."""
     return (accepted / proposed if proposed else 0.0), (1 + accepted / drafts if drafts else 0.0)
