@@ -268,3 +268,39 @@ def test_server_metrics_report_acceptance(tiny_llama_dir):
     assert 0 < accepted <= proposed and drafts > 0
     assert metric(text, "kvinfer_spec_decode_acceptance_rate") == pytest.approx(accepted / proposed)
     assert metric(text, "kvinfer_spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
+
+
+def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_llm):
+    """The built-in GGUF model through the fused decode step: verification rows give the plain decode's tokens."""
+    from kvinfer.bench.spec_workload import EXTRACTIVE_PROMPTS
+    tok = builtin_llm.tokenizer
+    ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                     add_special_tokens=False) for p in EXTRACTIVE_PROMPTS[5:8:2]]
+    sp = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
+    ref = [builtin_llm.generate([p], sp)[0] for p in ps] + builtin_llm.generate(ps, sp)  # alone, then batched
+    eng = builtin_llm.engine
+    llm = LLM(config=eng.config.replace(speculative="ngram"), loaded=eng.loaded)
+    outs = [llm.generate([p], sp)[0] for p in ps] + llm.generate(ps, sp)
+    assert tokens(outs) == tokens(ref)
+    for o, r in zip(outs, ref):  # logprobs: the int16 matmul route rounds per row count (docs/ARCHITECTURE.md)
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs)) < 5e-3
+    st = llm.engine.stats
+    assert st["spec_accepted_tokens"] > 0.5 * st["spec_draft_tokens"]
+    assert_engine_clean(llm.engine)
+
+
+def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    # (--throughput-requests N adds a third row through the same batched path; its requests are long.)
+    assert main(["bench", "spec", "--prompts", "2", "--max-tokens", "12", "--throughput-requests", "0",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["workload"] for r in res["rows"]] == ["extractive, single stream", "extractive, batched (2)"]
+    for r in res["rows"]:
+        assert r["identical"] == r["requests"] and r["generated_off"] == r["generated_on"] > 0
+        assert r["speedup"] == pytest.approx(r["tps_on"] / r["tps_off"])
+        assert 0 <= r["accepted"] <= r["proposed"]
+    assert res["rows"][0]["accepted"] > 0 and res["speculative"] == "n-gram 1..4"

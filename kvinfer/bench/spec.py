@@ -27,16 +27,19 @@ def register_spec(bs) -> None:
     s.set_defaults(func=cmd_spec)
 
 
-def _run(engine, prompts, params) -> tuple[list[list[int]], float]:
-    """All prompts at once through one engine; (token ids per prompt, wall seconds)."""
+def _run(engine, prompts, params) -> tuple[list[list[int]], float, float]:
+    """All prompts at once through one engine; (token ids per prompt, wall seconds, seconds from each request's
+    first token to its last, summed: decode time without the prefill)."""
     t0 = time.perf_counter()
     ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     done = {}
+    decode_s = 0.0
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = list(o.outputs[0].token_ids)
-    return [done[i] for i in ids], time.perf_counter() - t0
+                decode_s += o.metrics.last_token_time - o.metrics.first_token_time
+    return [done[i] for i in ids], time.perf_counter() - t0, decode_s
 
 
 def _spec_stats(engine) -> tuple[int, int, int]:
@@ -78,20 +81,22 @@ def cmd_spec(args) -> int:
     for mode, mcfg in (("off", cfg.replace(speculative=None, speculative_model=None)), ("on", cfg)):
         engine = LLMEngine(mcfg, loaded=loaded)
         label = _model_label(engine)
-        _run(engine, [extractive[0][:16]], [SamplingParams(temperature=0, max_tokens=8)])  # warm-up
+        _run(engine, [extractive[0][:16]], [SamplingParams(temperature=0, max_tokens=8)])  # warm-up, not measured
         for name, how, prompts, params in phases:
             before = _spec_stats(engine)
             if how == "single":
-                outs, secs = [], 0.0
+                outs, secs, dsecs = [], 0.0, 0.0
                 for p, sp in zip(prompts, params):
-                    o, s = _run(engine, [p], [sp])
+                    o, s, ds = _run(engine, [p], [sp])
                     outs += o
                     secs += s
+                    dsecs += ds
             else:
-                outs, secs = _run(engine, prompts, params)
+                outs, secs, dsecs = _run(engine, prompts, params)
             d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
             gen = sum(len(o) for o in outs)
             results[name][mode] = dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs,
+                                       decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
                                        drafts=d, draft_tokens=p, accepted_tokens=a)
         del engine
     rows = []
@@ -102,7 +107,8 @@ def cmd_spec(args) -> int:
         rows.append(dict(workload=name, tps_off=off["tps"], tps_on=on["tps"], speedup=on["tps"] / off["tps"],
                          acceptance_rate=rate, mean_accepted_length=length, proposed=on["draft_tokens"],
                          accepted=on["accepted_tokens"], identical=same, requests=len(off["outputs"]),
-                         generated_off=off["generated"], generated_on=on["generated"]))
+                         generated_off=off["generated"], generated_on=on["generated"],
+                         decode_tps_off=off["decode_tps"], decode_tps_on=on["decode_tps"]))
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
@@ -118,5 +124,8 @@ def cmd_spec(args) -> int:
         print(f"{r['workload']:<36}{r['tps_off']:>10.1f}{r['tps_on']:>10.1f}{r['speedup']:>9.2f}x"
               f"{r['acceptance_rate'] * 100:>9.0f}%{r['mean_accepted_length']:>10.2f}"
               f"{r['identical']:>7}/{r['requests']}")
+    single = rows[0]
+    print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
+          f"{single['decode_tps_on']:.1f} tok/s, {single['decode_tps_on'] / single['decode_tps_off']:.2f}x")
     return 0
 
