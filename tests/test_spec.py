@@ -14,7 +14,7 @@ from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.scheduler import Scheduler, SchedulerConfig
 from kvinfer.spec.ngram import NgramIndex
 from kvinfer.spec.rejection import verify
-from tests.conftest import assert_engine_clean, save_tiny_llama
+from tests.conftest import assert_engine_clean, generate_checked, save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
@@ -30,13 +30,7 @@ def extractive_prompts(n, seed=0, vocab=256):
 
 
 def generate(model_dir, ps, params=GREEDY, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("kv_cache_memory", 4 << 20)
-    kw.setdefault("block_size", 4)
-    llm = LLM(model_dir, **kw)
-    outs = llm.generate(ps, params)
-    assert_engine_clean(llm.engine)
-    return outs, llm
+    return generate_checked(model_dir, ps, params, **kw)
 
 
 @pytest.fixture(scope="module")
