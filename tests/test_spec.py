@@ -94,6 +94,41 @@ def test_scheduler_drops_proposals_before_preempting():
     assert out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
 
 
+def test_proposals_that_stop_paying_off_are_skipped_with_growing_back_off():
+    from kvinfer.spec.speculator import Speculator
+
+    spec = Speculator("ngram", 4)
+    r = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    r.output_token_ids, r.num_computed_tokens = [3], 5  # in decode: the last token is pending
+    spec.propose([r], 1024)
+    assert r.spec_token_ids == [1, 2, 3]  # what followed the earlier (1, 2, 3)
+    skipped = []
+    for _ in range(6):  # every proposal rejected
+        spec.record(r, len(r.spec_token_ids), 0, num_running=1)
+        n = 0
+        while True:
+            spec.propose([r], 1024)
+            if r.spec_token_ids:
+                break
+            n += 1
+        skipped.append(n)
+        assert r.spec_token_ids == [1]  # after a full rejection it proposes one token
+    waits = [n for n in skipped if n]
+    assert skipped[0] == 0 and len(waits) >= 3 and waits == sorted(set(waits))  # tolerated, then 2, 4, 8, ...
+    spec.record(r, 1, 1, num_running=1)  # accepted: it proposes at once again, and more
+    spec.propose([r], 1024)
+    assert len(r.spec_token_ids) == 2
+    assert spec.metrics() == dict(spec_drafts=7, spec_draft_tokens=9, spec_accepted_tokens=1)
+
+
+def test_generate_summary_reports_acceptance():
+    from kvinfer.cli import spec_summary
+
+    assert spec_summary(dict(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)).endswith("no proposals")
+    line = spec_summary(dict(spec_drafts=10, spec_draft_tokens=40, spec_accepted_tokens=30))
+    assert "30/40 accepted (75%)" in line and "mean accepted length 4.00" in line
+
+
 # ---- greedy: identical output --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kv", ["paged", "contiguous", "none"])
 def test_ngram_greedy_output_is_unchanged(tiny_llama_dir, baseline, kv):
@@ -276,6 +311,9 @@ def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_
     llm = LLM(config=eng.config.replace(speculative="ngram"), loaded=eng.loaded)
     outs = [llm.generate([p], sp)[0] for p in ps] + llm.generate(ps, sp)
     assert_same(outs, ref)  # tokens and logprobs, bit for bit
+    stop = SamplingParams(temperature=0, max_tokens=40, stop=["harbour"])  # a stop string inside the copy
+    a, b = builtin_llm.generate([ps[1]], stop)[0].outputs[0], llm.generate([ps[1]], stop)[0].outputs[0]
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, "stop", "harbour")
     st = llm.engine.stats
     assert st["spec_accepted_tokens"] > 0.5 * st["spec_draft_tokens"]
     assert_engine_clean(llm.engine)

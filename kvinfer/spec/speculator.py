@@ -91,7 +91,8 @@ class Speculator:
         if st.rate < self.threshold(num_running):
             st.misses += 1
             st.skip = min(MAX_BACKOFF_STEPS, 2 ** st.misses)
-            st.rate = 0.5  # after sitting out, one more poor verification sends it back
+            # After sitting out it probes again: one verification below the threshold sends it back for longer.
+            st.rate = self.threshold(num_running)
         elif rate >= 0.5:
             st.misses = 0
 
