@@ -95,9 +95,9 @@ def test_scheduler_drops_proposals_before_preempting():
 
 
 def test_proposals_that_stop_paying_off_are_skipped_with_growing_back_off():
-    from kvinfer.spec.speculator import Speculator
+    from kvinfer.spec.speculator import Speculator, StepRates
 
-    spec = Speculator("ngram", 4)
+    spec = Speculator("ngram", 4, rates=StepRates(probe_every=0))
     r = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
     r.output_token_ids, r.num_computed_tokens = [3], 5  # in decode: the last token is pending
     spec.propose([r], 1024)
@@ -119,6 +119,22 @@ def test_proposals_that_stop_paying_off_are_skipped_with_growing_back_off():
     spec.propose([r], 1024)
     assert len(r.spec_token_ids) == 2
     assert spec.metrics() == dict(spec_drafts=7, spec_draft_tokens=9, spec_accepted_tokens=1)
+
+
+def test_speculation_pauses_while_verification_steps_emit_fewer_tokens_per_second():
+    from kvinfer.spec.speculator import MIN_SAMPLES, StepRates
+
+    rates = StepRates(probe_every=4, pause_steps=10)
+    allowed = [rates.allow() for _ in range(8)]
+    assert allowed == [True, True, True, False] * 2  # every 4th step measures the plain rate
+    rates.observe(0.010, 1, speculated=False)  # plain: 100 tokens/s
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.020, 3, speculated=True)  # 150 tokens/s: speculation pays
+    assert rates.paused == 0
+    for _ in range(4):
+        rates.observe(0.040, 2, speculated=True)  # 50 tokens/s: it no longer does
+    assert rates.paused == 10 and rates.num_pauses == 1
+    assert not any(rates.allow() for _ in range(10)) and rates.allow()  # then it measures again
 
 
 def test_generate_summary_reports_acceptance():

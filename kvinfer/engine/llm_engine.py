@@ -221,6 +221,7 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
@@ -241,6 +242,9 @@ class LLMEngine:
             if sampled:
                 self._sample_and_update(logits, sampled, touched)
             if self.speculator is not None:
+                if all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled):  # decode only
+                    self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
+                                                  any(s.spec_token_ids for s in sched.scheduled))
                 self.speculator.release(self.scheduler.running)
                 self.stats.update(self.speculator.metrics())
         outs = []

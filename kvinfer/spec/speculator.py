@@ -9,6 +9,50 @@ from kvinfer.spec.ngram import NgramIndex
 
 # A request whose proposals stop paying off sits out 2, 4, ... up to this many steps before it tries again.
 MAX_BACKOFF_STEPS = 64
+# While speculating, every PROBE_EVERY-th step runs without proposals, so the plain rate stays measured; when
+# steps with verification emit fewer tokens per second than plain ones, proposals pause for PAUSE_STEPS steps.
+PROBE_EVERY = 8
+PAUSE_STEPS = 64
+MIN_SAMPLES = 3  # verification steps measured (again) before they are judged
+
+
+class StepRates:
+    """Speculation judged by what it buys: tokens per second of decode steps with verification vs without.
+
+    Acceptance alone cannot say whether proposals pay: a verified row costs what the machine and model make it
+    cost (on a small model on a CPU, a third of a one-row step), so the engine times its decode steps and
+    proposals stop while verification steps are the slower way to emit tokens.
+    """
+
+    def __init__(self, probe_every: int = PROBE_EVERY, pause_steps: int = PAUSE_STEPS):
+        self.probe_every, self.pause_steps = probe_every, pause_steps
+        self.rate = {True: 0.0, False: 0.0}  # moving averages, tokens / second
+        self.samples = {True: 0, False: 0}
+        self.paused = 0  # steps left without proposals
+        self.steps = 0
+        self.num_pauses = 0
+
+    def allow(self) -> bool:
+        """Whether this step may propose."""
+        self.steps += 1
+        if self.paused > 0:
+            self.paused -= 1
+            return False
+        return not (self.probe_every and self.steps % self.probe_every == 0)
+
+    def observe(self, seconds: float, tokens: int, speculated: bool) -> None:
+        """One decode-only step: its wall time and the tokens it emitted."""
+        if seconds <= 0:
+            return
+        r = tokens / seconds
+        n = self.samples[speculated]
+        self.rate[speculated] = r if n == 0 else 0.7 * self.rate[speculated] + 0.3 * r
+        self.samples[speculated] = n + 1
+        if (speculated and self.samples[True] >= MIN_SAMPLES and self.samples[False] > 0
+                and self.rate[True] < self.rate[False]):
+            self.paused = self.pause_steps
+            self.samples[True] = 0  # judged afresh after the pause
+            self.num_pauses += 1
 
 
 @dataclass
@@ -29,7 +73,9 @@ class Speculator:
     a request's acceptance rate therefore rises with the number of running sequences.
     """
 
-    def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None):
+    def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None,
+                 rates: Optional[StepRates] = None):
+        self.rates = rates or StepRates()
         self.method = method
         self.k = k
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
@@ -45,8 +91,11 @@ class Speculator:
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Sets spec_token_ids (and spec_probs) on the running requests that should propose this step."""
         cands = []
+        allowed = self.rates.allow()
         for r in running:
             r.spec_token_ids, r.spec_probs = [], None
+            if not allowed:
+                continue
             # Only sequences in decode (one pending token) with a first output token (n > 1 forks happen then).
             if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 continue
