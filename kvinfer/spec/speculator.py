@@ -67,10 +67,11 @@ class _State:
 class Speculator:
     """Proposals for the engine's next step, and the bookkeeping that turns them off where they do not pay.
 
-    A verified token costs one more row in the step; an accepted one saves a whole step. At one sequence
-    per step rows are nearly free (the weights are read once either way), so even a low acceptance rate pays;
-    with many sequences per step the step is compute-bound and a rejected row is pure cost. The threshold on
-    a request's acceptance rate therefore rises with the number of running sequences.
+    A verified token costs one more row in the step; an accepted one saves a whole step. Per request, a
+    proposal length that follows its recent acceptance and a back-off when it falls below a threshold that
+    rises with the number of running sequences (the more rows share a step, the more it is bound by
+    arithmetic, and a rejected row is pure cost). Per engine, StepRates stops proposals while verification
+    steps emit fewer tokens per second than plain ones.
     """
 
     def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None,
