@@ -13,7 +13,7 @@ MAX_BACKOFF_STEPS = 64
 # steps with verification emit fewer tokens per second than plain ones, proposals pause for PAUSE_STEPS steps.
 PROBE_EVERY = 8
 PAUSE_STEPS = 64
-MIN_SAMPLES = 3  # verification steps measured (again) before they are judged
+MIN_SAMPLES = 4  # verification steps measured (again) before they are judged
 
 
 class StepRates:
@@ -26,7 +26,10 @@ class StepRates:
 
     def __init__(self, probe_every: int = PROBE_EVERY, pause_steps: int = PAUSE_STEPS):
         self.probe_every, self.pause_steps = probe_every, pause_steps
-        self.rate = {True: 0.0, False: 0.0}  # moving averages, tokens / second
+        # Exponentially decayed sums of tokens and seconds: their ratio weighs a step by its length, as
+        # throughput does (an average of per-step rates would let a few short steps dominate).
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
         self.samples = {True: 0, False: 0}
         self.paused = 0  # steps left without proposals
         self.steps = 0
@@ -44,15 +47,19 @@ class StepRates:
         """One decode-only step: its wall time and the tokens it emitted."""
         if seconds <= 0:
             return
-        r = tokens / seconds
-        n = self.samples[speculated]
-        self.rate[speculated] = r if n == 0 else 0.7 * self.rate[speculated] + 0.3 * r
-        self.samples[speculated] = n + 1
+        keep = 0.9 if self.samples[speculated] else 0.0
+        self.tokens[speculated] = keep * self.tokens[speculated] + tokens
+        self.seconds[speculated] = keep * self.seconds[speculated] + seconds
+        self.samples[speculated] += 1
         if (speculated and self.samples[True] >= MIN_SAMPLES and self.samples[False] > 0
-                and self.rate[True] < self.rate[False]):
+                and self.rate(True) < self.rate(False)):
             self.paused = self.pause_steps
             self.samples[True] = 0  # judged afresh after the pause
             self.num_pauses += 1
+
+    def rate(self, speculated: bool) -> float:
+        """Tokens per second of recent decode steps with (True) or without verification."""
+        return self.tokens[speculated] / self.seconds[speculated] if self.seconds[speculated] else 0.0
 
 
 @dataclass
