@@ -95,6 +95,18 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     t.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1)")
     t.add_argument("--master-port", type=int_at_least("--master-port"), default=None,
                    help="node 0's rendezvous port (default: a free one on one machine, 29500 across machines)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="ngram: propose tokens by prompt lookup; draft: a smaller model proposes "
+                        "(--speculative-model); greedy output is unchanged, sampling keeps its distribution")
+    s.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="draft model with the target's tokenizer (implies --speculative draft)")
+    s.add_argument("--num-speculative-tokens", type=int_at_least("--num-speculative-tokens"), default=4,
+                   help="most tokens proposed per step (default 4)")
+    s.add_argument("--ngram-min", type=int_at_least("--ngram-min"), default=1,
+                   help="shortest n-gram looked up (default 1)")
+    s.add_argument("--ngram-max", type=int_at_least("--ngram-max"), default=4,
+                   help="longest n-gram looked up, tried first (default 4)")
 
 
 def engine_config_from_args(args):
@@ -111,7 +123,10 @@ def engine_config_from_args(args):
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         num_threads=args.threads, tokenizer=args.tokenizer,
                         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-                        master_addr=args.master_addr, master_port=args.master_port)
+                        master_addr=args.master_addr, master_port=args.master_port,
+                        speculative=args.speculative or ("draft" if args.speculative_model else None),
+                        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -199,6 +214,17 @@ def _kv_summary(engine, num_tokens: int) -> str:
             f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache})")
 
 
+def spec_summary(stats: dict) -> str:
+    """' | speculative: ...' for a summary line: acceptance rate and mean accepted length."""
+    from kvinfer.spec.speculator import acceptance
+
+    d, p, a = stats["spec_drafts"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+    if not d:
+        return " | speculative: no proposals"
+    rate, length = acceptance(d, p, a)
+    return f" | speculative: {a}/{p} accepted ({rate * 100:.0f}%), mean accepted length {length:.2f}"
+
+
 def cmd_generate(args) -> int:
     from kvinfer.engine.llm_engine import LLMEngine
 
@@ -220,7 +246,8 @@ def cmd_generate(args) -> int:
     decode_s = (final.metrics.last_token_time - final.metrics.first_token_time) if n > 1 else 0.0
     print(f"[prompt tokens {len(ids)} | generated {n} ({o.finish_reason}) | TTFT {ttft * 1000:.0f} ms | "
           f"decode {((n - 1) / decode_s) if decode_s > 0 else float('nan'):.1f} tok/s | "
-          f"{_kv_summary(engine, len(ids) + n)} | total {elapsed:.2f} s]", file=sys.stderr)
+          f"{_kv_summary(engine, len(ids) + n)} | total {elapsed:.2f} s"
+          f"{spec_summary(engine.stats) if engine.config.speculative else ''}]", file=sys.stderr)
     return 0
 
 

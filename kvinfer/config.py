@@ -370,6 +370,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "none", "gguf")
+SPECULATIVE = (None, "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -402,6 +403,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: Optional[str] = None  # node 0's address (default 127.0.0.1)
     master_port: Optional[int] = None  # default: a free port on one node, 29500 across nodes
+    # Speculative decoding: None, "ngram" (prompt lookup) or "draft" (speculative_model proposes).
+    speculative: Optional[str] = None
+    speculative_model: Optional[str] = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self):
         if self.kv_cache not in KV_BACKENDS:
@@ -441,6 +448,19 @@ class EngineConfig:
             raise ValidationError("node_rank", self.node_rank, f"must be in [0, {self.nnodes})")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValidationError("master_port", self.master_port, "must be in [1, 65535]")
+        if self.speculative not in SPECULATIVE:
+            raise ValidationError("speculative", self.speculative, "must be one of ngram, draft (or None)")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValidationError("speculative_model", self.speculative_model,
+                                  "is needed for speculative='draft' (a draft model path)")
+        if self.speculative_model and self.speculative != "draft":
+            raise ValidationError("speculative", self.speculative, "must be 'draft' when speculative_model is given")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValidationError("num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 16]")
+        if not isinstance(self.ngram_min, int) or self.ngram_min < 1:
+            raise ValidationError("ngram_min", self.ngram_min, "must be an integer >= 1")
+        if not isinstance(self.ngram_max, int) or not self.ngram_min <= self.ngram_max <= 64:
+            raise ValidationError("ngram_max", self.ngram_max, f"must be in [ngram_min={self.ngram_min}, 64]")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

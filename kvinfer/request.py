@@ -40,6 +40,10 @@ class Request:
     index: int = 0  # sample index within its group (n > 1)
     # Set for a sibling waiting to be forked from its group's first request after that one's prefill.
     fork_parent: Optional["Request"] = None
+    # Speculative decoding: tokens proposed for the next step to verify, and the draft model's distribution
+    # over them ([k, vocab] tensor; None for n-gram proposals, point masses).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -58,40 +58,50 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
+    """One row of logits [vocab] with banned ids masked and penalties applied (a new tensor)."""
+    row = row.clone()
+    if r.params.logit_bias:  # added to the raw logits, before penalties and temperature
+        ids, bias = zip(*r.params.logit_bias.items())
+        row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
+    if r.banned_ids:
+        row[torch.tensor(list(r.banned_ids), dtype=torch.long)] = float("-inf")
+    if r.params.uses_penalties:
+        row = apply_penalties(row, r.params, r.prompt_ids, r.output_ids)
+    return row
+
+
+def chosen_logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: Sequence[int]) -> list:
+    """(logprob of the chosen token, top-k pairs) per row that asked for logprobs, from the raw logits [n, vocab]."""
+    lps: list = [None] * len(rows)
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            continue
+        # One row at a time: a softmax over [rows, vocab] may reduce differently with the row count.
+        logp = torch.log_softmax(raw[i], dim=-1)
+        k = r.params.logprobs
+        top = []
+        if k:
+            v, ix = logp.topk(k)
+            top = list(zip(ix.tolist(), v.tolist()))
+        lps[i] = (float(logp[tokens[i]]), top)
+    return lps
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [n, vocab] float32, one row per entry of `rows`."""
         simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids and not r.params.logit_bias
                      for r in rows)
-        raw = logits
         if simple:
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = []
             for i, r in enumerate(rows):
-                row = logits[i].clone()
-                if r.params.logit_bias:  # added to the raw logits, before penalties and temperature
-                    ids, bias = zip(*r.params.logit_bias.items())
-                    row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
-                if r.banned_ids:
-                    row[torch.tensor(list(r.banned_ids), dtype=torch.long)] = float("-inf")
-                if r.params.uses_penalties:
-                    row = apply_penalties(row, r.params, r.prompt_ids, r.output_ids)
+                row = process_row(logits[i], r)
                 if r.params.greedy:
                     tokens.append(int(row.argmax()))
                     continue
                 probs = filter_probs(row, r.params)
                 tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
-        lps: list = [None] * len(rows)
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        for i in want:
-            # One row at a time: a softmax over [rows, vocab] may reduce differently with the row count.
-            logp = torch.log_softmax(raw[i], dim=-1)
-            k = rows[i].params.logprobs
-            chosen = float(logp[tokens[i]])
-            top = []
-            if k:
-                v, ix = logp.topk(k)
-                top = list(zip(ix.tolist(), v.tolist()))
-            lps[i] = (chosen, top)
-        return SampleResult(tokens, lps)
+        return SampleResult(tokens, chosen_logprobs(logits, rows, tokens))

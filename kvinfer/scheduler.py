@@ -14,6 +14,9 @@ class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
+    # Proposed tokens verified this step: the last len(spec_token_ids) of the num_new_tokens (after the
+    # sequence's one pending token), not yet part of the request.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -99,13 +102,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = req.num_tokens - req.num_computed_tokens
+            spec = req.spec_token_ids[:budget - 1] if need == 1 else []
+            req.spec_token_ids = []
+            n = min(need, budget) + len(spec)
             if n <= 0:
                 i += 1
                 continue
-            if not self.cfg.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+            if not self.cfg.enable_chunked_prefill and n < need:
                 break
             while not self.kv.allocate_slots(req, n):
+                if spec:  # out of blocks: drop the proposals before preempting anyone
+                    n, spec = need, []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -113,7 +122,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # preempted itself: nothing else can fit either
-            out.scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq(req, req.num_computed_tokens, n, spec))
             scheduled_ids.add(req.request_id)
             budget -= n
             i += 1
@@ -140,6 +149,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids, req.spec_probs = [], None
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -150,6 +160,11 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         for s in out.scheduled:
             s.request.num_computed_tokens = s.end
+
+    def rollback(self, req: Request, num_computed_tokens: int) -> None:
+        """Rejected proposals: their KV slots are dropped (the block table trimmed) and recomputed as needed."""
+        req.num_computed_tokens = num_computed_tokens
+        self.kv.trim(req, num_computed_tokens)
 
     # ---- finishing -------------------------------------------------------------------------
     def finish(self, req: Request, reason: Optional[str] = None) -> None:

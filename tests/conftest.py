@@ -60,3 +60,17 @@ def assert_engine_clean(engine):
     m = engine.kv_manager
     assert not engine.has_unfinished_requests()
     assert m.num_free_blocks == m.num_total_blocks, f"{m.num_total_blocks - m.num_free_blocks} blocks still in use"
+
+
+def generate_checked(model_dir, prompts, params, **kw):
+    """(outputs, llm) of a tiny model (float32, 4 MiB of KV, blocks of 4 unless kw says otherwise), after checking
+    that the engine gave every block back."""
+    from kvinfer import LLM
+
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    kw.setdefault("block_size", 4)
+    llm = LLM(model_dir, **kw)
+    outs = llm.generate(prompts, params)
+    assert_engine_clean(llm.engine)
+    return outs, llm

@@ -7,7 +7,7 @@ import pytest
 
 from kvinfer import LLM, SamplingParams
 from kvinfer.errors import RequestTooLargeError, ValidationError
-from tests.conftest import assert_engine_clean
+from tests.conftest import assert_engine_clean, generate_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -18,12 +18,7 @@ def prompts(n, seed=0, lo=3, hi=40, vocab=256):
 
 
 def run(model_dir, ps, params=GREEDY, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("kv_cache_memory", 4 << 20)
-    kw.setdefault("block_size", 4)
-    llm = LLM(model_dir, **kw)
-    outs = llm.generate(ps, params)
-    assert_engine_clean(llm.engine)
+    outs, llm = generate_checked(model_dir, ps, params, **kw)
     return [o.outputs[0].token_ids for o in outs], llm
 
 

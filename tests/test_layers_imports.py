@@ -8,13 +8,14 @@ ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
 
 LAYERS = {
     0: ["errors", "config", "sampling_params", "utils"],
-    1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant"],
+    1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant", "spec"],
     2: ["models", "loaders", "kv"],
-    3: ["scheduler", "engine.model_runner", "parallel"],
+    3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],
     5: ["server", "cli", "bench", "lab"],
 }
-TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "request", "sampling_params", "errors", "config"]
+TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "request", "sampling_params", "errors", "config",
+              "spec.ngram", "spec.speculator"]
 
 
 def layer_of(module: str) -> int:

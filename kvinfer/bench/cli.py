@@ -91,6 +91,9 @@ def register(sub) -> None:
     from kvinfer.bench.exact import register_exact
 
     register_exact(bs)
+    from kvinfer.bench.spec import register_spec
+
+    register_spec(bs)
     try:
         from kvinfer.bench.serve import register_serve
     except ImportError:

@@ -63,6 +63,9 @@ class EngineStats:
     steps: int = 0
     kv_dtype: str = ""  # element type of the KV cache (float32, int8, fp8, ...)
     kv_bytes_per_token: int = 0
+    spec_drafts: int = 0  # verifications of proposed tokens
+    spec_draft_tokens: int = 0  # proposed tokens verified
+    spec_accepted_tokens: int = 0
     time: float = field(default_factory=time.time)
 
     @property
@@ -438,7 +441,9 @@ class AsyncLLMEngine:
             prefix_cache_hits=getattr(pool, "num_hits", 0), prefix_cache_queries=getattr(pool, "num_queries", 0),
             preemptions=eng.scheduler.num_preemptions, prompt_tokens=eng.stats["prompt_tokens"],
             generation_tokens=eng.stats["generation_tokens"], steps=eng.stats["steps"], kv_dtype=eng.kv_dtype,
-            kv_bytes_per_token=eng.kv_bytes_per_token)
+            kv_bytes_per_token=eng.kv_bytes_per_token,
+            spec_drafts=eng.stats["spec_drafts"], spec_draft_tokens=eng.stats["spec_draft_tokens"],
+            spec_accepted_tokens=eng.stats["spec_accepted_tokens"])
 
 
 def _deliver(batch: list) -> None:

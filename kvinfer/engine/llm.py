@@ -15,8 +15,10 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching."""
 
     def __init__(self, model: Optional[str] = None, **engine_kwargs):
+        """engine_kwargs: EngineConfig fields, or config=EngineConfig; loaded=LoadedModel reuses loaded weights."""
+        loaded = engine_kwargs.pop("loaded", None)
         cfg = engine_kwargs.pop("config", None) or EngineConfig(model=model, **engine_kwargs)
-        self.engine = LLMEngine(cfg)
+        self.engine = LLMEngine(cfg, loaded)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],

@@ -200,7 +200,30 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._pending_forks: dict[str, list[Request]] = {}
         self._ids = itertools.count()
-        self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0)
+        self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0,
+                          spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+        self.speculator = self._build_speculator() if config.speculative else None
+
+    def _build_speculator(self):
+        from kvinfer.spec.speculator import Speculator
+
+        c = self.config
+        draft = None
+        if c.speculative == "draft":
+            from kvinfer.spec.draft import DraftProposer
+
+            dcfg = c.replace(model=c.speculative_model, tokenizer=None, speculative=None, speculative_model=None,
+                             load_format="dummy" if c.load_format == "dummy" else "auto")
+            dl = load_model(dcfg, max(self.max_model_len, 1))
+            if dl.config.vocab_size != self.model_config.vocab_size:
+                raise ValidationError("speculative_model", c.speculative_model,
+                                      f"has a vocabulary of {dl.config.vocab_size} tokens; the target has "
+                                      f"{self.model_config.vocab_size} (the draft needs the same tokenizer)")
+            # As many tokens of draft KV as the target's cache holds, so the draft never runs out first.
+            tokens = max(self.kv_manager.token_capacity, self.max_model_len)
+            draft = DraftProposer(dl, -(-tokens // c.block_size) + 1, c.block_size)
+            log.info("draft model %s: KV cache %s", c.speculative_model, format_bytes(draft.cache.nbytes))
+        return Speculator(c.speculative, c.num_speculative_tokens, c.ngram_min, c.ngram_max, draft)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
@@ -272,6 +295,8 @@ class LLMEngine:
             self._pending_forks.pop(r.request_id, None)
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -283,6 +308,9 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0, generated = time.perf_counter(), self.stats["generation_tokens"]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         self.stats["steps"] += 1
         touched: dict[str, None] = {}
@@ -300,6 +328,12 @@ class LLMEngine:
                     self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
             if sampled:
                 self._sample_and_update(logits, sampled, touched)
+            if self.speculator is not None:
+                if all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled):  # decode only
+                    self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
+                                                  any(s.spec_token_ids for s in sched.scheduled))
+                self.speculator.release(self.scheduler.running)
+                self.stats.update(self.speculator.metrics())
         outs = []
         for gid in touched:
             g = self.groups.get(gid)
@@ -309,8 +343,13 @@ class LLMEngine:
 
     def _sample_and_update(self, logits, sampled, touched) -> None:
         rows, reqs, row_src = [], [], []
-        for i, s in enumerate(sampled):
+        verify, i = [], 0  # i: the first logits row of each sampled seq
+        for s in sampled:
             r = s.request
+            if s.spec_token_ids:
+                verify.append((s, i))
+                i += 1 + len(s.spec_token_ids)
+                continue
             family = [r] + self._pending_forks.pop(r.request_id, [])
             if len(family) > 1:
                 for child in family[1:]:
@@ -324,20 +363,43 @@ class LLMEngine:
                 rows.append(self._sample_row(m))
                 reqs.append(m)
                 row_src.append(i)
-        if len(row_src) != len(sampled):
-            logits = logits[torch.tensor(row_src)]
-        result = self.sampler.sample(logits, rows)
+            i += 1
         now = time.perf_counter()
-        for r, tok, lp in zip(reqs, result.token_ids, result.logprobs):
-            self._append_token(r, tok, lp, now)
-            touched[r.group_id] = None
+        if reqs:
+            plain = logits if row_src == list(range(logits.shape[0])) else logits[torch.tensor(row_src)]
+            result = self.sampler.sample(plain, rows)
+            for r, tok, lp in zip(reqs, result.token_ids, result.logprobs):
+                self._append_token(r, tok, lp, now)
+                touched[r.group_id] = None
+        for s, i in verify:
+            self._verify(s, logits[i:i + 1 + len(s.spec_token_ids)], now)
+            touched[s.request.group_id] = None
 
-    def _sample_row(self, r: Request) -> SampleRow:
+    def _verify(self, s, logits, now: float) -> None:
+        """Emit the accepted proposals and one token of the target's own; drop the rejected ones' KV."""
+        from kvinfer.spec.rejection import verify
+
+        r, draft = s.request, s.spec_token_ids
+        probs = r.spec_probs[:len(draft)] if r.spec_probs is not None else None
+        r.spec_probs = None
+        base = r.output_token_ids
+        rows = [self._sample_row(r, base + draft[:j]) for j in range(len(draft) + 1)]
+        result = verify(self.sampler, logits, rows, draft, probs)
+        self.speculator.record(r, len(draft), len(result.token_ids) - 1, len(self.scheduler.running))
+        for tok, lp in zip(result.token_ids, result.logprobs):
+            self._append_token(r, tok, lp, now)
+            if r.is_finished:
+                return
+        self.scheduler.rollback(r, r.num_tokens - 1)
+
+    def _sample_row(self, r: Request, output_ids: Optional[list[int]] = None) -> SampleRow:
+        """output_ids: the outputs as if proposed tokens were accepted (verification rows)."""
         p = r.params
+        out = r.output_token_ids if output_ids is None else output_ids
         banned = ()
-        if r.num_output_tokens < p.min_tokens:
+        if len(out) < p.min_tokens:
             banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self._eos_ids())
-        return SampleRow(p, r.prompt_token_ids, r.output_token_ids, r.generator, banned)
+        return SampleRow(p, r.prompt_token_ids, out, r.generator, banned)
 
     def _eos_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:

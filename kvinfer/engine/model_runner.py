@@ -41,22 +41,36 @@ class ModelRunner:
                 self._fused = FusedDecode(self.model, self.backend)
         return self._fused
 
-    def _order(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        # Single-token decodes first: the backends batch them into one attention call.
-        dec = [s for s in scheduled if s.num_new_tokens == 1 and s.start > 0]
-        rest = [s for s in scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+    def _order(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, ScheduledSeq]]:
+        """(what to compute, the scheduled seq it belongs to), single-token decodes first: the backends batch them
+        into one attention call. A verification of proposed tokens is one decode row per token (same block table,
+        context one longer each), so each row gets the arithmetic it would get decoding alone, and the fused
+        decode step can run it."""
+        dec, rest = [], []
+        for s in scheduled:
+            if self.backend.name == "none":  # recompute from the first token
+                rest.append((ScheduledSeq(s.request, 0, s.end, s.spec_token_ids), s))
+            elif s.spec_token_ids:
+                dec += [(ScheduledSeq(s.request, s.start + j, 1, s.spec_token_ids), s) for j in range(s.num_new_tokens)]
+            elif s.num_new_tokens == 1 and s.start > 0:
+                dec.append((s, s))
+            else:
+                rest.append((s, s))
         return dec + rest
 
     def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq]]:
-        """The step's model input as plain data, the rows to sample and the scheduled seqs they belong to."""
-        seqs = self._order(out.scheduled)
-        if self.backend.name == "none":
-            seqs = [ScheduledSeq(s.request, 0, s.end) for s in seqs]  # recompute from the first token
+        """The step's model input as plain data, the rows to sample and the scheduled seqs they belong to.
+
+        A sequence owns 1 + len(spec_token_ids) consecutive sample rows: the prediction after its last known
+        token, then after each proposed token."""
         p = StepPlan([], [], [], list(out.block_copies or ()))
         sample_rows, sampled = [], []
-        for s in seqs:
+        for s, orig in self._order(out.scheduled):
             req = s.request
-            p.input_ids += req.token_slice(s.start, s.end)
+            known = min(s.end, req.num_tokens)
+            p.input_ids += req.token_slice(s.start, known)
+            if s.end > known:  # proposed tokens follow the known ones
+                p.input_ids += s.spec_token_ids[max(s.start, known) - req.num_tokens:s.end - req.num_tokens]
             p.positions += range(s.start, s.end)
             if self.backend.name == "paged":
                 p.slices.append(SeqSlice(s.start, s.num_new_tokens, block_table=self.manager.get_block_table(req)))
@@ -64,9 +78,11 @@ class ModelRunner:
                 p.slices.append(SeqSlice(s.start, s.num_new_tokens, slot=self.manager.get_slot(req)))
             else:
                 p.slices.append(SeqSlice(s.start, s.num_new_tokens))
-            if s.end == req.num_tokens:  # every known token computed: the last row predicts the next one
-                sample_rows.append(len(p.input_ids) - 1)
-                sampled.append(s)
+            if s.end >= req.num_tokens:  # every known token computed: the rows from the last known one on
+                n = len(p.input_ids)
+                sample_rows += range(n - (s.end - max(s.start, req.num_tokens - 1)), n)
+                if not sampled or sampled[-1] is not orig:
+                    sampled.append(orig)
         return p, sample_rows, sampled
 
     @torch.inference_mode()
@@ -85,7 +101,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
-        """Returns (logits [n, vocab] float32, the scheduled seqs those rows belong to)."""
+        """Returns (logits [rows, vocab] float32, the scheduled seqs those rows belong to, in order)."""
         p, sample_rows, sampled = self.plan(out)
         hidden = self.run_plan(p)
         if not sample_rows:

@@ -83,7 +83,8 @@ class PagedKVManager:
             self.pool.free([old])
         if need > 0:
             table.extend(self.pool.allocate(need))
-        self._register_full_blocks(req, table, end)
+        # Only known tokens: proposed ones being verified (end > num_tokens) are not the request's yet.
+        self._register_full_blocks(req, table, min(end, req.num_tokens))
         return True
 
     def _register_full_blocks(self, req: Request, table: list[int], num_tokens: int) -> None:
@@ -95,6 +96,19 @@ class PagedKVManager:
             h = hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs))
             hashes.append(h)
             self.pool.register(table[i], h)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Keep the blocks of the first num_tokens tokens (rejected proposals' slots go back, tail first)."""
+        table = self.block_tables.get(req.request_id)
+        if table is None:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+        hashes = self.block_hashes.get(req.request_id)
+        if hashes is not None and len(hashes) > num_tokens // self.block_size:
+            del hashes[num_tokens // self.block_size:]
 
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, [])
@@ -166,6 +180,9 @@ class SlotManager:
             self.slot_of[req.request_id] = self.free_slots.pop(0)
         return req.num_computed_tokens + num_new_tokens <= self.max_len
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        pass  # positions past num_tokens are simply overwritten later
+
     def free(self, req: Request) -> None:
         slot = self.slot_of.pop(req.request_id, None)
         if slot is not None:
@@ -203,6 +220,9 @@ class NullManager:
         return True
 
     def free(self, req) -> None:
+        pass
+
+    def trim(self, req, num_tokens: int) -> None:
         pass
 
     def take_copies(self):

@@ -6,6 +6,8 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvinfer.spec.speculator import acceptance
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -52,6 +54,15 @@ class _EngineCollector:
                               "by the cache's element type.", labels=[*self._labels, "kv_dtype"])
         g.add_metric([*self._labels.values(), s.kv_dtype], s.kv_bytes_per_token)
         yield g
+        yield self._counter("kvinfer_spec_decode_num_drafts", "Verifications of speculative proposals.",
+                            s.spec_drafts)
+        yield self._counter("kvinfer_spec_decode_num_draft_tokens", "Proposed tokens verified.", s.spec_draft_tokens)
+        yield self._counter("kvinfer_spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                            s.spec_accepted_tokens)
+        rate, length = acceptance(s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens)
+        yield self._gauge("kvinfer_spec_decode_acceptance_rate", "Accepted / proposed tokens since start-up.", rate)
+        yield self._gauge("kvinfer_spec_decode_mean_accepted_length",
+                          "Tokens emitted per verification (accepted proposals + the target's own).", length)
 
 
 class ServerMetrics:

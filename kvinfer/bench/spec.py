@@ -1,0 +1,131 @@
+"""`kvinfer bench spec`: tokens/s with and without speculative decoding in one run, acceptance, identical outputs."""
+from __future__ import annotations
+
+import json
+import time
+
+
+def register_spec(bs) -> None:
+    from kvinfer.cli import add_engine_args, int_at_least
+
+    s = bs.add_parser("spec", help="speculative decoding on vs off: extractive prompts and the throughput workload",
+                      description="The package's 8 extractive prompts (repeat, correct or lightly edit a given "
+                                  "passage; chat template, greedy) one at a time and all at once, then the bench "
+                                  "throughput workload's random-token prompts (non-extractive), each with "
+                                  "speculation off and on, on the same loaded weights: generated tokens/s, the "
+                                  "speed-up, acceptance rate, mean accepted length, and whether the outputs are "
+                                  "identical. Without --speculative/--speculative-model it uses --speculative ngram.")
+    s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
+                   help="new tokens per extractive prompt, at most (default 128)")
+    s.add_argument("--prompts", type=int_at_least("--prompts"), default=8,
+                   help="extractive prompts to use, 1-8 (default 8)")
+    s.add_argument("--throughput-requests", type=int_at_least("--throughput-requests", 0), default=16,
+                   help="requests of the bench throughput workload for the non-extractive check; 0 skips it "
+                        "(default 16)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_spec)
+
+
+def _run(engine, prompts, params) -> tuple[list[list[int]], float, float]:
+    """All prompts at once through one engine; (token ids per prompt, wall seconds, seconds from each request's
+    first token to its last, summed: decode time without the prefill)."""
+    t0 = time.perf_counter()
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    decode_s = 0.0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+                decode_s += o.metrics.last_token_time - o.metrics.first_token_time
+    return [done[i] for i in ids], time.perf_counter() - t0, decode_s
+
+
+def _spec_stats(engine) -> tuple[int, int, int]:
+    st = engine.stats
+    return st["spec_drafts"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
+
+
+def cmd_spec(args) -> int:
+    from kvinfer.bench.cli import _model_label, _threads
+    from kvinfer.bench.spec_workload import EXTRACTIVE_PROMPTS
+    from kvinfer.bench.workload import throughput_workload
+    from kvinfer.cli import engine_config_from_args
+    from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.errors import ValidationError
+    from kvinfer.loaders.model_loader import load_model
+    from kvinfer.sampling_params import SamplingParams
+    from kvinfer.spec.speculator import acceptance
+
+    if args.prompts > len(EXTRACTIVE_PROMPTS):
+        raise ValidationError("prompts", args.prompts, f"must be in [1, {len(EXTRACTIVE_PROMPTS)}]")
+    cfg = engine_config_from_args(args)
+    if not cfg.speculative:
+        cfg = cfg.replace(speculative="ngram")
+    loaded = load_model(cfg)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValidationError("model", cfg.model, "has no tokenizer; the extractive prompts are text (--tokenizer DIR)")
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+             for p in EXTRACTIVE_PROMPTS[:args.prompts]]
+    extractive = [tok.encode(t, add_special_tokens=False) for t in texts]
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    work = throughput_workload(args.throughput_requests, 0, vocab_size=loaded.config.vocab_size)
+    phases = [("extractive, single stream", "single", extractive, [greedy] * len(extractive)),
+              (f"extractive, batched ({len(extractive)})", "batch", extractive, [greedy] * len(extractive))]
+    if work:
+        phases.append((f"throughput prompts, batched ({len(work)})", "batch", [w.prompt_token_ids for w in work],
+                       [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]))
+    results: dict[str, dict] = {name: {} for name, *_ in phases}
+    for mode, mcfg in (("off", cfg.replace(speculative=None, speculative_model=None)), ("on", cfg)):
+        engine = LLMEngine(mcfg, loaded=loaded)
+        label = _model_label(engine)
+        _run(engine, [extractive[0][:16]], [SamplingParams(temperature=0, max_tokens=8)])  # warm-up, not measured
+        for name, how, prompts, params in phases:
+            before = _spec_stats(engine)
+            if how == "single":
+                outs, secs, dsecs = [], 0.0, 0.0
+                for p, sp in zip(prompts, params):
+                    o, s, ds = _run(engine, [p], [sp])
+                    outs += o
+                    secs += s
+                    dsecs += ds
+            else:
+                outs, secs, dsecs = _run(engine, prompts, params)
+            d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
+            gen = sum(len(o) for o in outs)
+            results[name][mode] = dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs,
+                                       decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
+                                       drafts=d, draft_tokens=p, accepted_tokens=a)
+        del engine
+    rows = []
+    for name, *_ in phases:
+        off, on = results[name]["off"], results[name]["on"]
+        rate, length = acceptance(on["drafts"], on["draft_tokens"], on["accepted_tokens"])
+        same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
+        rows.append(dict(workload=name, tps_off=off["tps"], tps_on=on["tps"], speedup=on["tps"] / off["tps"],
+                         acceptance_rate=rate, mean_accepted_length=length, proposed=on["draft_tokens"],
+                         accepted=on["accepted_tokens"], identical=same, requests=len(off["outputs"]),
+                         generated_off=off["generated"], generated_on=on["generated"],
+                         decode_tps_off=off["decode_tps"], decode_tps_on=on["decode_tps"]))
+    how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
+           else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
+    if args.json:
+        print(json.dumps(dict(model=label, threads=_threads(), speculative=how,
+                              num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=args.max_tokens,
+                              rows=rows), indent=2))
+        return 0
+    print(f"kvinfer bench spec: {label}, {_threads()} threads, speculative {how}, "
+          f"k={cfg.num_speculative_tokens}, greedy; extractive prompts up to {args.max_tokens} new tokens")
+    print(f"{'workload':<36}{'off tok/s':>10}{'on tok/s':>10}{'speed-up':>10}{'accepted':>10}"
+          f"{'mean len':>10}{'identical':>11}")
+    for r in rows:
+        print(f"{r['workload']:<36}{r['tps_off']:>10.1f}{r['tps_on']:>10.1f}{r['speedup']:>9.2f}x"
+              f"{r['acceptance_rate'] * 100:>9.0f}%{r['mean_accepted_length']:>10.2f}"
+              f"{r['identical']:>7}/{r['requests']}")
+    single = rows[0]
+    print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
+          f"{single['decode_tps_on']:.1f} tok/s, {single['decode_tps_on'] / single['decode_tps_off']:.2f}x")
+    return 0
+

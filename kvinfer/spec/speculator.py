@@ -1,0 +1,164 @@
+"""Speculator: which running requests propose this step, how many tokens, from which proposer; acceptance stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from kvinfer.request import Request
+from kvinfer.spec.ngram import NgramIndex
+
+# A request whose proposals stop paying off sits out 2, 4, ... up to this many steps before it tries again.
+MAX_BACKOFF_STEPS = 64
+# While speculating, every PROBE_EVERY-th step runs without proposals, so the plain rate stays measured; when
+# steps with verification emit fewer tokens per second than plain ones, proposals pause for PAUSE_STEPS steps.
+PROBE_EVERY = 8
+PAUSE_STEPS = 64
+MIN_SAMPLES = 4  # verification steps measured (again) before they are judged
+
+
+class StepRates:
+    """Speculation judged by what it buys: tokens per second of decode steps with verification vs without.
+
+    Acceptance alone cannot say whether proposals pay: a verified row costs what the machine and model make it
+    cost (on a small model on a CPU, a third of a one-row step), so the engine times its decode steps and
+    proposals stop while verification steps are the slower way to emit tokens.
+    """
+
+    def __init__(self, probe_every: int = PROBE_EVERY, pause_steps: int = PAUSE_STEPS):
+        self.probe_every, self.pause_steps = probe_every, pause_steps
+        # Exponentially decayed sums of tokens and seconds: their ratio weighs a step by its length, as
+        # throughput does (an average of per-step rates would let a few short steps dominate).
+        self.tokens = {True: 0.0, False: 0.0}
+        self.seconds = {True: 0.0, False: 0.0}
+        self.samples = {True: 0, False: 0}
+        self.paused = 0  # steps left without proposals
+        self.steps = 0
+        self.num_pauses = 0
+
+    def allow(self) -> bool:
+        """Whether this step may propose."""
+        self.steps += 1
+        if self.paused > 0:
+            self.paused -= 1
+            return False
+        return not (self.probe_every and self.steps % self.probe_every == 0)
+
+    def observe(self, seconds: float, tokens: int, speculated: bool) -> None:
+        """One decode-only step: its wall time and the tokens it emitted."""
+        if seconds <= 0:
+            return
+        keep = 0.9 if self.samples[speculated] else 0.0
+        self.tokens[speculated] = keep * self.tokens[speculated] + tokens
+        self.seconds[speculated] = keep * self.seconds[speculated] + seconds
+        self.samples[speculated] += 1
+        if (speculated and self.samples[True] >= MIN_SAMPLES and self.samples[False] > 0
+                and self.rate(True) < self.rate(False)):
+            self.paused = self.pause_steps
+            self.samples[True] = 0  # judged afresh after the pause
+            self.num_pauses += 1
+
+    def rate(self, speculated: bool) -> float:
+        """Tokens per second of recent decode steps with (True) or without verification."""
+        return self.tokens[speculated] / self.seconds[speculated] if self.seconds[speculated] else 0.0
+
+
+@dataclass
+class _State:
+    index: Optional[NgramIndex]
+    k: int  # tokens to propose next time: shrinks after partial acceptance, grows back after full
+    rate: float = 1.0  # moving average of accepted / proposed
+    skip: int = 0  # steps left to sit out
+    misses: int = 0  # consecutive back-offs
+
+
+class Speculator:
+    """Proposals for the engine's next step, and the bookkeeping that turns them off where they do not pay.
+
+    A verified token costs one more row in the step; an accepted one saves a whole step. Per request, a
+    proposal length that follows its recent acceptance and a back-off when it falls below a threshold that
+    rises with the number of running sequences (the more rows share a step, the more it is bound by
+    arithmetic, and a rejected row is pure cost). Per engine, StepRates stops proposals while verification
+    steps emit fewer tokens per second than plain ones.
+    """
+
+    def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None,
+                 rates: Optional[StepRates] = None):
+        self.rates = rates or StepRates()
+        self.method = method
+        self.k = k
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.draft = draft  # DraftProposer for method "draft"
+        self.states: dict[str, _State] = {}
+        self.num_drafts = 0  # verifications run
+        self.num_draft_tokens = 0  # proposed tokens verified
+        self.num_accepted_tokens = 0
+
+    def threshold(self, num_running: int) -> float:
+        return min(0.8, 0.15 + 0.025 * (num_running - 1))
+
+    def propose(self, running: Sequence[Request], max_model_len: int) -> None:
+        """Sets spec_token_ids (and spec_probs) on the running requests that should propose this step."""
+        cands = []
+        allowed = self.rates.allow()
+        for r in running:
+            r.spec_token_ids, r.spec_probs = [], None
+            if not allowed:
+                continue
+            # Only sequences in decode (one pending token) with a first output token (n > 1 forks happen then).
+            if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            st = self.states.get(r.request_id)
+            if st is None:
+                index = NgramIndex(self.ngram_min, self.ngram_max) if self.method == "ngram" else None
+                st = self.states[r.request_id] = _State(index, self.k)
+            if st.skip > 0:
+                st.skip -= 1
+                continue
+            # Verification of k tokens emits up to k + 1; never past max_tokens or the context window.
+            k = min(st.k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
+            if k > 0:
+                cands.append((r, k, st))
+        if not cands:
+            return
+        if self.method == "ngram":
+            for r, k, st in cands:
+                r.spec_token_ids = st.index.propose(r.all_token_ids, k)
+        else:
+            self.draft.propose([(r, k) for r, k, _ in cands])
+
+    def release(self, running: Sequence[Request]) -> None:
+        """Forget requests no longer running (finished, aborted, preempted) and free their draft KV."""
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self.states if rid not in live]:
+            del self.states[rid]
+        if self.draft is not None:
+            self.draft.release(live)
+
+    def record(self, r: Request, num_proposed: int, num_accepted: int, num_running: int) -> None:
+        """After a verification: statistics, and this request's proposal length and back-off."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        st = self.states.get(r.request_id)
+        if st is None or num_proposed == 0:
+            return
+        rate = num_accepted / num_proposed
+        st.rate = 0.5 * st.rate + 0.5 * rate
+        st.k = min(self.k, st.k + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
+        if st.rate < self.threshold(num_running):
+            st.misses += 1
+            st.skip = min(MAX_BACKOFF_STEPS, 2 ** st.misses)
+            # After sitting out it probes again: one verification below the threshold sends it back for longer.
+            st.rate = self.threshold(num_running)
+        elif rate >= 0.5:
+            st.misses = 0
+
+    def metrics(self) -> dict:
+        return dict(spec_drafts=self.num_drafts, spec_draft_tokens=self.num_draft_tokens,
+                    spec_accepted_tokens=self.num_accepted_tokens)
+
+
+def acceptance(drafts: int, proposed: int, accepted: int) -> tuple[float, float]:
+    """(acceptance rate, mean accepted length): accepted / proposed, and tokens emitted per verification (the
+    accepted proposals plus the target's own token), as vLLM reports them; 0 before any verification."""
+    return (accepted / proposed if proposed else 0.0), (1 + accepted / drafts if drafts else 0.0)

@@ -1,0 +1,353 @@
+"""Speculative decoding: n-gram and draft proposals verified in the engine give the non-speculative output."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvinfer import LLM, SamplingParams
+from kvinfer.errors import ValidationError
+from kvinfer.kv.manager import PagedKVManager
+from kvinfer.request import Request
+from kvinfer.sampler import Sampler, SampleRow
+from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.spec.ngram import NgramIndex
+from kvinfer.spec.rejection import verify
+from tests.conftest import assert_engine_clean, generate_checked, save_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def extractive_prompts(n, seed=0, vocab=256):
+    """Prompts that repeat a random span, so the greedy continuation often copies and n-grams find it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        span = [rng.randrange(3, vocab) for _ in range(rng.randint(6, 14))]
+        out.append([rng.randrange(3, vocab)] + span + span[:rng.randint(2, 5)])
+    return out
+
+
+def generate(model_dir, ps, params=GREEDY, **kw):
+    return generate_checked(model_dir, ps, params, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir):
+    ps = extractive_prompts(8) + [[5, 9, 200, 17]]  # the last one has nothing to look up at first
+    outs, _ = generate(tiny_llama_dir, ps)
+    return ps, outs
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_same(outs, ref):
+    """Same tokens, finish reasons and logprobs (bit for bit: each row's arithmetic is the same in any step)."""
+    assert tokens(outs) == tokens(ref)
+    for o, r in zip(outs, ref):
+        for c, rc in zip(o.outputs, r.outputs):
+            assert c.finish_reason == rc.finish_reason
+            if rc.logprobs is not None:  # each token's logprobs come from its own verification row
+                assert [lp.token_id for lp in c.logprobs] == [lp.token_id for lp in rc.logprobs]
+                assert [(a.logprob, a.top) for a in c.logprobs] == [(b.logprob, b.top) for b in rc.logprobs]
+
+
+# ---- proposers and bookkeeping ---------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex(1, 3)
+    toks = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # Suffix (1, 2, 3) occurred at the start only; (2, 3) also later, but the longest n-gram wins.
+    assert idx.propose(toks, 3) == [4, 5, 9]
+    toks += [7]  # suffix (2, 3, 7) occurred once, followed by 8, 1
+    assert idx.propose(toks, 2) == [8, 1]
+    assert NgramIndex(2, 2).propose([5, 6, 7, 8], 4) == []  # no earlier occurrence of (7, 8)
+    assert NgramIndex(1, 1).propose([4, 4], 3) == [4]  # the continuation stops at the end of the tokens
+
+
+def test_trim_returns_rejected_blocks_and_hashes_only_known_tokens():
+    m = PagedKVManager(8, 4)
+    r = Request("a", list(range(10, 16)), SamplingParams(max_tokens=8))  # 6 known tokens
+    assert m.allocate_slots(r, 6)
+    r.num_computed_tokens = 5  # one pending token, then 5 proposed: positions 5..10 in this step
+    assert m.allocate_slots(r, 6) and len(m.get_block_table(r)) == 3
+    assert len(m.block_hashes["a"]) == 1  # the full block of proposed tokens is not in the prefix cache
+    m.trim(r, 7)  # two proposals accepted: 7 tokens have valid KV
+    assert len(m.get_block_table(r)) == 2 and m.num_free_blocks == 6
+    m.check_integrity()
+
+
+def test_scheduler_drops_proposals_before_preempting():
+    m = PagedKVManager(4, 4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64), m)
+    a, b = (Request(x, [1, 2, 3], SamplingParams(max_tokens=8)) for x in "ab")
+    for r in (a, b):
+        sched.add_request(r)
+    sched.update_after_step(sched.schedule())
+    for r in (a, b):
+        r.output_token_ids.append(7)
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # would need 3 more blocks; only 2 are free
+    out = sched.schedule()
+    assert not out.preempted and [s.num_new_tokens for s in out.scheduled] == [1, 1]
+    assert out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
+
+
+def test_proposals_that_stop_paying_off_are_skipped_with_growing_back_off():
+    from kvinfer.spec.speculator import Speculator, StepRates
+
+    spec = Speculator("ngram", 4, rates=StepRates(probe_every=0))
+    r = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    r.output_token_ids, r.num_computed_tokens = [3], 5  # in decode: the last token is pending
+    spec.propose([r], 1024)
+    assert r.spec_token_ids == [1, 2, 3]  # what followed the earlier (1, 2, 3)
+    skipped = []
+    for _ in range(6):  # every proposal rejected
+        spec.record(r, len(r.spec_token_ids), 0, num_running=1)
+        n = 0
+        while True:
+            spec.propose([r], 1024)
+            if r.spec_token_ids:
+                break
+            n += 1
+        skipped.append(n)
+        assert r.spec_token_ids == [1]  # after a full rejection it proposes one token
+    waits = [n for n in skipped if n]
+    assert skipped[0] == 0 and len(waits) >= 3 and waits == sorted(set(waits))  # tolerated, then 2, 4, 8, ...
+    spec.record(r, 1, 1, num_running=1)  # accepted: it proposes at once again, and more
+    spec.propose([r], 1024)
+    assert len(r.spec_token_ids) == 2
+    assert spec.metrics() == dict(spec_drafts=7, spec_draft_tokens=9, spec_accepted_tokens=1)
+
+
+def test_speculation_pauses_while_verification_steps_emit_fewer_tokens_per_second():
+    from kvinfer.spec.speculator import MIN_SAMPLES, StepRates
+
+    rates = StepRates(probe_every=4, pause_steps=10)
+    allowed = [rates.allow() for _ in range(8)]
+    assert allowed == [True, True, True, False] * 2  # every 4th step measures the plain rate
+    rates.observe(0.010, 1, speculated=False)  # plain: 100 tokens/s
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.020, 3, speculated=True)  # 150 tokens/s: speculation pays
+    rates.observe(0.030, 1, speculated=True)  # one poor step: 33 tokens/s, but the recent total still pays
+    assert rates.paused == 0 and rates.rate(True) > rates.rate(False)
+    for _ in range(2):
+        rates.observe(0.040, 2, speculated=True)  # 50 tokens/s: it no longer does (judged anew after a pause)
+    assert rates.paused == 10 and rates.num_pauses == 1 and rates.samples[True] < MIN_SAMPLES
+    assert not any(rates.allow() for _ in range(10)) and rates.allow()  # then it measures again
+
+
+def test_generate_summary_reports_acceptance():
+    from kvinfer.cli import spec_summary
+
+    assert spec_summary(dict(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)).endswith("no proposals")
+    line = spec_summary(dict(spec_drafts=10, spec_draft_tokens=40, spec_accepted_tokens=30))
+    assert "30/40 accepted (75%)" in line and "mean accepted length 4.00" in line
+
+
+# ---- greedy: identical output --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", ["paged", "contiguous", "none"])
+def test_ngram_greedy_output_is_unchanged(tiny_llama_dir, baseline, kv):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, kv_cache=kv, speculative="ngram", num_speculative_tokens=3)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_drafts"] > 0 and 0 < st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
+
+
+def test_ngram_with_chunked_prefill_preemption_and_prefix_caching(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    # 16 blocks of 4 tokens for 9 requests: preemptions; 7-token budget: prompts prefill in chunks while others
+    # verify proposals in the same step.
+    outs, llm = generate(tiny_llama_dir, ps, speculative="ngram", kv_cache_memory=512 * 4 * 16,
+                         max_num_batched_tokens=7)
+    assert_same(outs, ref)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.stats["spec_accepted_tokens"] > 0
+    again = llm.generate(ps[:2], GREEDY)  # served from the prefix cache, which only ever saw accepted tokens
+    assert_same(again, ref[:2]) and again[0].num_cached_tokens > 0
+    assert_engine_clean(llm.engine)
+
+
+def test_ngram_n_samples_stop_tokens_and_min_tokens(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    first = ref[0].outputs[0].token_ids[5]
+    cases = [SamplingParams(temperature=0, max_tokens=20, n=3, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first], ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop_token_ids=[first], ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True)]
+    for sp in cases:
+        plain, _ = generate(tiny_llama_dir, ps[:3], sp)
+        spec, _ = generate(tiny_llama_dir, ps[:3], sp, speculative="ngram")
+        assert_same(spec, plain)
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_llama_dir, baseline):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, speculative_model=tiny_llama_dir, speculative="draft",
+                         num_speculative_tokens=4)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+    assert llm.engine.speculator.draft.manager.num_free_blocks == llm.engine.speculator.draft.manager.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_draft")
+    save_tiny_llama(path, seed=3, num_hidden_layers=1)
+    return str(path)
+
+
+def test_a_different_draft_keeps_the_greedy_output(tiny_llama_dir, baseline, other_draft_dir):
+    ps, ref = baseline
+    outs, llm = generate(tiny_llama_dir, ps, speculative_model=other_draft_dir, speculative="draft",
+                         kv_cache_memory=512 * 4 * 24)
+    assert_same(outs, ref)
+    st = llm.engine.stats
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+
+
+def test_bad_speculative_settings_are_named(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValidationError, match="speculative_model"):
+        LLM(tiny_llama_dir, speculative="draft")
+    with pytest.raises(ValidationError, match="ngram_max"):
+        LLM(tiny_llama_dir, speculative="ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        LLM(tiny_llama_dir, speculative="ngram", num_speculative_tokens=0)
+    big = tmp_path / "big_vocab"
+    save_tiny_llama(big, vocab_size=300)
+    with pytest.raises(ValidationError, match="vocabulary"):
+        LLM(tiny_llama_dir, speculative_model=str(big), speculative="draft")
+
+
+# ---- sampling: the distribution is unchanged -------------------------------------------------------------------
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Emitted first tokens are distributed as the target's p, whatever the draft's q (and its guesses)."""
+    vocab, k, trials = 6, 2, 2500
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    p0 = torch.softmax(logits[0], -1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g), -1)  # the draft's own distribution
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    rows = [SampleRow(params, [1], [], g) for _ in range(k + 1)]
+    counts = {"draft": torch.zeros(vocab), "ngram": torch.zeros(vocab)}
+    sampler = Sampler()
+    for _ in range(trials):
+        d = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
+        counts["draft"][verify(sampler, logits, rows, d, q).token_ids[0]] += 1
+        counts["ngram"][verify(sampler, logits, rows, [3, 1]).token_ids[0]] += 1  # a fixed guess: point mass
+    for name, c in counts.items():
+        freq = c / trials
+        sigma = (p0 * (1 - p0) / trials).sqrt()
+        assert ((freq - p0).abs() <= 4.5 * sigma + 1e-3).all(), (name, freq, p0)
+
+
+@pytest.fixture(scope="module")
+def peaked_pair(tmp_path_factory):
+    """A target and a different draft whose next-token distributions are peaked enough to count samples of."""
+    from tests.reference_helpers import TINY_LLAMA_LIKE, save_tiny
+
+    dirs = [tmp_path_factory.mktemp(name) for name in ("peaked_target", "peaked_draft")]
+    target = save_tiny("LlamaConfig", "LlamaForCausalLM", dirs[0], seed=0, **TINY_LLAMA_LIKE)
+    save_tiny("LlamaConfig", "LlamaForCausalLM", dirs[1], seed=3, **TINY_LLAMA_LIKE)
+    return target, str(dirs[0]), str(dirs[1])
+
+
+def test_sampling_with_a_draft_matches_the_target_on_a_tiny_model(peaked_pair):
+    """The second token (the first one verified) after the commonest first token follows the target's p."""
+    from tests.reference_helpers import hf_logits
+
+    hf, target_dir, draft_dir = peaked_pair
+    prompt, temp, n = [7, 40, 99, 3], 0.7, 1500
+    sp = [SamplingParams(temperature=temp, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    llm = LLM(target_dir, dtype="float32", kv_cache_memory=16 << 20, block_size=4, max_num_seqs=256,
+              speculative_model=draft_dir, speculative="draft", num_speculative_tokens=2)
+    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+    st = llm.engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]  # both paths of rejection sampling ran
+    firsts = [o.outputs[0].token_ids[0] for o in outs]
+    t1 = max(set(firsts), key=firsts.count)
+    seconds = torch.tensor([o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == t1])
+    p = torch.softmax(hf_logits(hf, prompt + [t1])[-1] / temp, -1)
+    freq = torch.bincount(seconds, minlength=p.numel()).float() / len(seconds)
+    top = p.topk(5).indices
+    sigma = (p[top] * (1 - p[top]) / len(seconds)).sqrt()
+    assert len(seconds) > 200
+    assert ((freq[top] - p[top]).abs() <= 4.5 * sigma + 1e-3).all(), (freq[top], p[top])
+
+
+# ---- front ends ------------------------------------------------------------------------------------------------
+def test_cli_speculative_errors_are_one_line(tiny_llama_dir, capsys):
+    from kvinfer.cli import main
+
+    for args, needle in ((["--speculative-model", "/no/such/draft"], "/no/such/draft"),
+                         (["--speculative", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_max"),
+                         (["--num-speculative-tokens", "0"], "--num-speculative-tokens")):
+        try:
+            code = main(["generate", "hi", "--model", tiny_llama_dir] + args)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_server_metrics_report_acceptance(tiny_llama_dir):
+    import httpx
+
+    from server_helpers import engine_config, metric, start_server
+
+    srv = start_server(engine_config(model=tiny_llama_dir, speculative="ngram", dtype="float32",
+                                     kv_cache_memory=4 << 20, max_model_len=256))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            body = dict(model=srv.model_name, prompt=extractive_prompts(1)[0], max_tokens=24, temperature=0,
+                        ignore_eos=True)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = c.get("/metrics").text
+    finally:
+        srv.stop()
+    proposed = metric(text, "kvinfer_spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "kvinfer_spec_decode_num_accepted_tokens_total")
+    drafts = metric(text, "kvinfer_spec_decode_num_drafts_total")
+    assert 0 < accepted <= proposed and drafts > 0
+    assert metric(text, "kvinfer_spec_decode_acceptance_rate") == pytest.approx(accepted / proposed)
+    assert metric(text, "kvinfer_spec_decode_mean_accepted_length") == pytest.approx(1 + accepted / drafts)
+
+
+def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_llm):
+    """The built-in GGUF model through the fused decode step: verification rows give the plain decode's tokens."""
+    from kvinfer.bench.spec_workload import EXTRACTIVE_PROMPTS
+    tok = builtin_llm.tokenizer
+    ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                     add_special_tokens=False) for p in EXTRACTIVE_PROMPTS[5:8:2]]
+    sp = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
+    ref = [builtin_llm.generate([p], sp)[0] for p in ps] + builtin_llm.generate(ps, sp)  # alone, then batched
+    eng = builtin_llm.engine
+    llm = LLM(config=eng.config.replace(speculative="ngram"), loaded=eng.loaded)
+    outs = [llm.generate([p], sp)[0] for p in ps] + llm.generate(ps, sp)
+    assert_same(outs, ref)  # tokens and logprobs, bit for bit
+    stop = SamplingParams(temperature=0, max_tokens=40, stop=["harbour"])  # a stop string inside the copy
+    a, b = builtin_llm.generate([ps[1]], stop)[0].outputs[0], llm.generate([ps[1]], stop)[0].outputs[0]
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, "stop", "harbour")
+    st = llm.engine.stats
+    assert st["spec_accepted_tokens"] > 0.5 * st["spec_draft_tokens"]
+    assert_engine_clean(llm.engine)
+
+
+def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    # (--throughput-requests N adds a third row through the same batched path; its requests are long.)
+    assert main(["bench", "spec", "--prompts", "2", "--max-tokens", "12", "--throughput-requests", "0",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["workload"] for r in res["rows"]] == ["extractive, single stream", "extractive, batched (2)"]
+    for r in res["rows"]:
+        assert r["identical"] == r["requests"] and r["generated_off"] == r["generated_on"] > 0
+        assert r["speedup"] == pytest.approx(r["tps_on"] / r["tps_off"])
+        assert 0 <= r["accepted"] <= r["proposed"]
+    assert res["rows"][0]["accepted"] > 0 and res["speculative"] == "n-gram 1..4"
