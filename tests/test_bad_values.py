@@ -37,6 +37,15 @@ ENGINE = {
     "--max-num-batched-tokens": ["0", HUGE],
     "--threads": ["0", HUGE, "1.5"],
     "--seed": ["-1", HUGE, "abc"],
+    "--tensor-parallel-size": ["0", "abc"],
+    "--nnodes": ["0", "3"],
+    "--node-rank": ["-1", "5"],
+    "--master-port": ["0", "70000"],
+    "--speculative": ["beam"],
+    "--speculative-model": ["/no/such/model"],
+    "--num-speculative-tokens": ["0", "17"],
+    "--ngram-min": ["0"],
+    "--ngram-max": ["0", "100"],
 }
 SAMPLING = {
     "--max-tokens": ["0", "-1", HUGE, "nan"],
@@ -64,6 +73,7 @@ OWN = {
                     "--out": [README, "/proc/nope"]},
     "plan": {"--model": ["/no/such/model"], "--memory": ["-5GiB", "0", "lots", "nan"],
              "--max-model-len": ["0", HUGE], "--dtype": ["int3"], "--block-size": ["0"], "--tp": ["0"],
+             "--tensor-parallel-size": ["0"], "--kv-cache-dtype": ["int4"],
              "--workload": ["gaussian"], "--concurrent": ["0"]},
     "simulate": {"--trace": ["/no/such/trace.jsonl", README], "--synthetic": ["0"], "--seed": ["-1", HUGE],
                  "--model": ["/no/such/model"], "--dtype": ["int3"], "--kv-cache-memory": ["0", "lots"],
@@ -72,7 +82,7 @@ OWN = {
                  "--fit-clock": ["sundial"], "--out": [README, "/proc/nope"]},
 }
 # Free text: no value is bad. (Engine and sampling flags of other commands are the shared ones above.)
-FREE_TEXT = {"--prompt", "--system", "--stop", "--api-key", "--served-model-name",
+FREE_TEXT = {"--prompt", "--system", "--stop", "--api-key", "--served-model-name", "--master-addr",
              # A missing peer binary is one line and a skipped peer, by design (test_bench): ours still runs.
              "--llama-server", "--llama-bench"}
 NEEDS_ARGS = {"plan": ["--memory", "40GiB"]}  # a required flag, so the flag under test is what fails
