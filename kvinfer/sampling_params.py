@@ -12,6 +12,42 @@ MAX_N = 16
 
 
 @dataclass
+class StructuredOutput:
+    """What a constrained request's output must match: exactly one of a JSON Schema (`json`; True or {} for any
+    JSON object), a regular expression, a list of choices, or an llguidance Lark grammar.
+
+    `param` is the request parameter that errors name (the server sets `response_format` or `tool_choice`).
+    """
+
+    json: Union[None, bool, dict, str] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    lark: Optional[str] = None
+    param: str = "structured_output"
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "lark") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValidationError(self.param, given or None, "give exactly one of json, regex, choice or lark")
+        if self.json is not None and not isinstance(self.json, (bool, dict, str)):
+            raise ValidationError(self.param, type(self.json).__name__, "json must be a schema dict, its JSON "
+                                  "text, or True for any JSON object")
+        for k in ("regex", "lark"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValidationError(self.param, v, f"{k} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValidationError(self.param, self.choice, "choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "lark") if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling and stopping; temperature 0 means greedy."""
 
@@ -32,8 +68,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-k logprobs per generated token
     skip_special_tokens: bool = True
+    # A grammar the output must follow (token masks from llguidance, see kvinfer/structured.py).
+    structured_output: Optional[StructuredOutput] = None
 
     def __post_init__(self):
+        if isinstance(self.structured_output, dict):
+            unknown = set(self.structured_output) - {"json", "regex", "choice", "lark", "param"}
+            if unknown:
+                raise ValidationError("structured_output", sorted(unknown), "unknown keys; use json, regex, "
+                                      "choice or lark")
+            self.structured_output = StructuredOutput(**self.structured_output)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -80,6 +124,8 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            bad("structured_output", "must be a StructuredOutput or a dict of its fields")
 
     @property
     def greedy(self) -> bool:
