@@ -26,6 +26,7 @@ from kvinfer.server.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      messages_for_template)
+from kvinfer.server.tools import ToolContext, response_format_spec, template_messages, tool_call_deltas
 
 log = logging.getLogger("kvinfer.server")
 
@@ -234,6 +235,7 @@ class _Server:
                 raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                                param="stop_token_ids")
             kw["stop_token_ids"] = body.stop_token_ids
+        kw["structured_output"] = response_format_spec(body.response_format)
         return SamplingParams(**kw)
 
     async def admit(self, prompts: list, params: SamplingParams, prefix: str) -> RequestStream:
@@ -355,7 +357,9 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
                     param += f".{x}"
                 else:
                     break
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "unicode_surrogate":
+            param, msg = first["ctx"]["param"], first["msg"]
+        elif first.get("type") == "json_invalid":
             msg = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         elif not loc:
             msg = "the body must be a JSON object" if first.get("type") != "missing" else "the body is missing"
@@ -482,8 +486,11 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         tok = _need_tokenizer(srv)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        text = tok.apply_chat_template(messages_for_template(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt is not False)
+        tools = _tool_context(body, tok)
+        messages, extra = template_messages(messages_for_template(body.messages), body.messages,
+                                            tools.tools if tools else None, tok.chat_template)
+        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                       **extra)
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -491,6 +498,8 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         if max_tokens is None:
             # Rest of the context window, as OpenAI does; the engine would otherwise pick it per prompt anyway.
             params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, engine.max_model_len - len(ids))})
+        if tools is not None and tools.forced:
+            params = SamplingParams(**{**params.__dict__, "structured_output": tools.spec})
         if params.n > engine.capacity:
             raise APIError(400, f"n={params.n} sequences; this server holds at most {engine.capacity}", param="n")
         stream = await srv.admit([ids], params, "chatcmpl")
@@ -498,16 +507,19 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         ctx = _Ctx("chatcmpl", srv.model_name, stream, [ids], n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSEResponse(_stream_chat(srv, ctx, k, include_usage), stream)
+            return _SSEResponse(_stream_chat(srv, ctx, k, include_usage, tools), stream)
         finals = await srv.collect(stream, request)
         if finals is None:
             return Response(status_code=499)
         out = finals[stream.request_id]
         choices = []
         for o in out.outputs:
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+            message, finish = {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
+            if tools is not None:
+                message, finish = tools.message(o.text, finish)
+            choices.append({"index": o.index, "message": message,
                             "logprobs": srv.chat_logprobs(o.logprobs or [], k) if k is not None else None,
-                            "finish_reason": _finish(o.finish_reason)})
+                            "finish_reason": finish})
         return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": srv.model_name,
                 "choices": choices, "usage": srv.usage([out])}
 
@@ -539,6 +551,27 @@ class _SSEResponse(StreamingResponse):
 
 def _finish(reason: Optional[str]) -> str:
     return reason if reason in ("stop", "length") else "stop"
+
+
+def _tool_context(body: ChatCompletionRequest, tok) -> Optional[ToolContext]:
+    """The request's tool settings checked against each other; None when it offers no tools."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump()
+    if choice in ("required",) or isinstance(choice, dict):
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
+                                "required or a named function)", param="response_format")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: function names must be unique", param="tools")
+    return ToolContext(tools, None if choice == "auto" else choice, body.parallel_tool_calls is not False,
+                       tok.chat_template)
 
 
 def _need_tokenizer(srv: _Server):
@@ -608,7 +641,8 @@ async def _stream_completion(srv: _Server, ctx: _Ctx, echo: bool, want_lp: bool,
         stream.abort()
 
 
-async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage: bool) -> AsyncIterator[str]:
+async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage: bool,
+                       tools: Optional[ToolContext] = None) -> AsyncIterator[str]:
     stream, n = ctx.stream, ctx.n
     tracker = LatencyTracker(srv.metrics)
     lp_seen: dict[int, int] = {}
@@ -620,6 +654,7 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
         for i in range(n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+        tool_streams = {i: tools.stream() for i in range(n)} if tools is not None else {}
         async for out in stream:
             tracker.observe(out)
             for o in out.outputs:
@@ -629,12 +664,23 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
                     lp_seen[o.index] = len(o.logprobs)
                     if len(o.logprobs) > start:
                         lps = srv.chat_logprobs(o.logprobs[start:], k)
-                if o.delta_text or lps:
-                    yield _sse({**head, "choices": [{"index": o.index, "delta": {"content": o.delta_text},
+                ts = tool_streams.get(o.index)
+                content = ts.feed(o.delta_text) if ts is not None else o.delta_text
+                if content or lps:
+                    yield _sse({**head, "choices": [{"index": o.index, "delta": {"content": content},
                                                      "logprobs": lps, "finish_reason": None}]})
                 if o.finish_reason:
+                    finish = _finish(o.finish_reason)
+                    if ts is not None:
+                        rest, calls = ts.finish()
+                        delta: dict = {"content": rest} if rest else {}
+                        if calls:
+                            delta["tool_calls"], finish = tool_call_deltas(calls), "tool_calls"
+                        if delta:
+                            yield _sse({**head, "choices": [{"index": o.index, "delta": delta, "logprobs": None,
+                                                             "finish_reason": None}]})
                     yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "logprobs": None,
-                                                     "finish_reason": _finish(o.finish_reason)}]})
+                                                     "finish_reason": finish}]})
             if out.finished:
                 finished.append(out)
         if include_usage:
