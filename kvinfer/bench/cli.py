@@ -82,8 +82,10 @@ def register(sub) -> None:
     t.set_defaults(func=cmd_throughput)
 
     from kvinfer.bench.exact import register_exact
+    from kvinfer.bench.structured import register_structured
 
     register_exact(bs)
+    register_structured(bs)
     try:
         from kvinfer.bench.serve import register_serve
     except ImportError:
