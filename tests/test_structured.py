@@ -20,8 +20,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(None, kv_cache_memory=64 << 20, max_model_len=512)
+def llm(builtin_llm):
+    return builtin_llm
 
 
 def chat(llm, question):
@@ -92,10 +92,11 @@ def test_compiled_grammars_are_cached(llm):
     ({"jsn": {}}, "unknown keys"),
 ])
 def test_bad_specs_name_the_parameter(llm, spec, needle):
+    """Rejected before anything is queued, by SamplingParams or when the grammar compiles."""
     with pytest.raises(ValidationError) as e:
-        llm.engine.add_request(None, "hi", SamplingParams(structured_output=spec))
+        llm.engine.add_request("bad-spec", "hi", SamplingParams(structured_output=spec))
     assert e.value.param == "structured_output" and needle in str(e.value)
-    assert not llm.engine.has_unfinished_requests()
+    assert "bad-spec" not in llm.engine.groups
 
 
 # ---- tool-call parsing --------------------------------------------------------------------------------------
@@ -151,3 +152,15 @@ def test_closed_objects():
     assert out["anyOf"][0]["additionalProperties"] is False
     assert out["$defs"]["x"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_bench_structured_json(capsys):
+    from kvinfer.cli import main
+
+    assert main(["bench", "structured", "--requests", "2", "--tokens", "4", "--rounds", "1",
+                 "--kv-cache-memory", "32MiB", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    free, constrained = res["best"]["unconstrained"], res["best"]["json_schema"]
+    assert free["decode_tokens"] == constrained["decode_tokens"] > 0  # same batch, same number of decode steps
+    assert constrained["mask_calls"] > 0 and free["mask_calls"] == 0
+    assert res["constrained_vs_unconstrained"] == constrained["decode_tps"] / free["decode_tps"]
