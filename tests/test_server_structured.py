@@ -183,16 +183,8 @@ def test_auto_passes_calls_through_and_streams_them(srv, client):
     assert _check_call(c.message.tool_calls[0]) == "get_weather"
     assert json.loads(c.message.tool_calls[0].function.arguments)["city"] == "Berlin"
     # Streamed: no tag leaks into content, the call arrives as tool_calls deltas, then finish_reason.
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(model=srv.model_name, messages=FEW_SHOT, tools=TOOLS,
-                                                temperature=0, max_tokens=40, stream=True):
-        d = chunk.choices[0].delta
-        content += d.content or ""
-        for tc in d.tool_calls or []:
-            slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-            slot["name"] += tc.function.name or ""
-            slot["arguments"] += tc.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
+    content, calls, finish = _joined_stream(client, model=srv.model_name, messages=FEW_SHOT, tools=TOOLS,
+                                            temperature=0, max_tokens=40)
     assert finish == "tool_calls" and "<tool_call>" not in content
     assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == \
         [("get_weather", json.loads(c.message.tool_calls[0].function.arguments))]
@@ -200,6 +192,29 @@ def test_auto_passes_calls_through_and_streams_them(srv, client):
     r = client.chat.completions.create(model=srv.model_name, messages=FEW_SHOT, tools=TOOLS, tool_choice="none",
                                        temperature=0, max_tokens=40)
     assert r.choices[0].finish_reason == "stop" and "<tool_call>" in r.choices[0].message.content
+
+
+def _joined_stream(client, **kw):
+    """content, {index: {name, arguments}} and finish_reason from a streamed chat completion."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_streamed_named_call_sends_arguments_as_they_come(srv, client):
+    content, calls, finish = _joined_stream(client, model=srv.model_name, messages=ask("Time in Rome?"),
+                                            tools=TOOLS, temperature=0, max_tokens=60,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert finish == "tool_calls" and content == ""
+    assert list(calls) == [0] and calls[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS["get_time"])
 
 
 def test_streamed_json_schema_and_length(srv, client):

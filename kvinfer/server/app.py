@@ -26,7 +26,7 @@ from kvinfer.server.metrics import CONTENT_TYPE, LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      messages_for_template)
-from kvinfer.server.tools import ToolContext, response_format_spec, template_messages, tool_call_deltas
+from kvinfer.server.tools import ToolContext, response_format_spec, template_messages
 
 log = logging.getLogger("kvinfer.server")
 
@@ -665,20 +665,18 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
                     if len(o.logprobs) > start:
                         lps = srv.chat_logprobs(o.logprobs[start:], k)
                 ts = tool_streams.get(o.index)
-                content = ts.feed(o.delta_text) if ts is not None else o.delta_text
-                if content or lps:
-                    yield _sse({**head, "choices": [{"index": o.index, "delta": {"content": content},
+                content, calls = (o.delta_text, []) if ts is None else ts.step(o.delta_text)
+                if content or calls or lps:
+                    yield _sse({**head, "choices": [{"index": o.index, "delta": _chat_delta(content, calls),
                                                      "logprobs": lps, "finish_reason": None}]})
                 if o.finish_reason:
                     finish = _finish(o.finish_reason)
                     if ts is not None:
-                        rest, calls = ts.finish()
-                        delta: dict = {"content": rest} if rest else {}
-                        if calls:
-                            delta["tool_calls"], finish = tool_call_deltas(calls), "tool_calls"
-                        if delta:
-                            yield _sse({**head, "choices": [{"index": o.index, "delta": delta, "logprobs": None,
-                                                             "finish_reason": None}]})
+                        rest, calls, is_call = ts.end()
+                        finish = "tool_calls" if is_call else finish
+                        if rest or calls:
+                            yield _sse({**head, "choices": [{"index": o.index, "delta": _chat_delta(rest, calls),
+                                                             "logprobs": None, "finish_reason": None}]})
                     yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "logprobs": None,
                                                      "finish_reason": finish}]})
             if out.finished:
@@ -692,6 +690,13 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
         yield _DONE
     finally:
         stream.abort()
+
+
+def _chat_delta(content: str, tool_calls: list) -> dict:
+    delta: dict[str, Any] = {"content": content} if content or not tool_calls else {}
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta
 
 
 def _document(app: FastAPI, model_name: str) -> None:

@@ -236,6 +236,21 @@ class ToolStream:
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = forced  # a forced call is never content
+        self.call_id: Optional[str] = None
+
+    @property
+    def streams_arguments(self) -> bool:
+        """A named forced call: its name is known up front, so its arguments stream as they are generated."""
+        return self.forced_name is not None
+
+    def argument_deltas(self, delta: str) -> list[dict]:
+        """tool_calls deltas for a named forced call: the opening one (id, type, name) first, then arguments."""
+        self.text += delta
+        if self.call_id is None:
+            self.call_id = ToolCall(self.forced_name, "").id
+            return [{"index": 0, "id": self.call_id, "type": "function",
+                     "function": {"name": self.forced_name, "arguments": delta}}]
+        return [{"index": 0, "function": {"arguments": delta}}] if delta else []
 
     def feed(self, delta: str) -> str:
         """Content to send now."""
@@ -266,6 +281,19 @@ class ToolStream:
                     return ""
         out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         return out
+
+    def step(self, delta: str) -> tuple[str, list[dict]]:
+        """(content, tool_calls deltas) to send for the next piece of output."""
+        if self.streams_arguments:
+            return "", self.argument_deltas(delta)
+        return self.feed(delta), []
+
+    def end(self) -> tuple[str, list[dict], bool]:
+        """(content, tool_calls deltas) still to send when the choice finishes, and whether it made calls."""
+        rest, calls = self.finish()
+        if self.streams_arguments:
+            return "", [], bool(calls)
+        return rest, tool_call_deltas(calls), bool(calls)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content still to send, calls) once the choice is done."""
