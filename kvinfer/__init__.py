@@ -1,8 +1,8 @@
 """kvinfer: a Python inference engine for decoder-only transformer LLMs."""
-from kvinfer.sampling_params import SamplingParams
+from kvinfer.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutput", "EngineConfig", "__version__"]
 
 
 def __getattr__(name):

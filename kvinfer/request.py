@@ -34,6 +34,9 @@ class Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     generator: Any = None  # torch.Generator, owned by the engine
+    # Grammar matcher of a constrained request, advanced per accepted token; it survives preemption, because
+    # recompute replays the same tokens through the model only.
+    grammar: Any = None
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     group_id: Optional[str] = None

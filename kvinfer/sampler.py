@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from kvinfer.sampling_params import SamplingParams
+from kvinfer.structured import GrammarCompiler, apply_grammar_masks
 
 
 @dataclass
@@ -18,6 +19,7 @@ class SampleRow:
     output_ids: Sequence[int]
     generator: Optional[torch.Generator]
     banned_ids: Sequence[int] = ()  # EOS / stop ids masked out while min_tokens is not reached
+    grammar: Any = None  # the sequence's grammar matcher (structured outputs), at the state after output_ids
 
 
 @dataclass
@@ -89,10 +91,19 @@ def chosen_logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: Sequen
 
 
 class Sampler:
+    def __init__(self, grammars: Optional[GrammarCompiler] = None):
+        self.grammars = grammars  # set by the engine before the first constrained request
+
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [n, vocab] float32, one row per entry of `rows`."""
         simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids and not r.params.logit_bias
                      for r in rows)
+        raw = logits  # logprobs are reported from the model's distribution, before any mask
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            # All constrained rows of the step at once: the masks are computed in parallel by llguidance.
+            logits = logits.clone()
+            apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained], self.grammars)
         if simple:
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -104,4 +115,4 @@ class Sampler:
                     continue
                 probs = filter_probs(row, r.params)
                 tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
-        return SampleResult(tokens, chosen_logprobs(logits, rows, tokens))
+        return SampleResult(tokens, chosen_logprobs(raw, rows, tokens))

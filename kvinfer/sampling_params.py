@@ -15,6 +15,42 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_se
 
 
 @dataclass
+class StructuredOutput:
+    """What a constrained request's output must match: exactly one of a JSON Schema (`json`; True or {} for any
+    JSON object), a regular expression, a list of choices, or an llguidance Lark grammar.
+
+    `param` is the request parameter that errors name (the server sets `response_format` or `tool_choice`).
+    """
+
+    json: Union[None, bool, dict, str] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    lark: Optional[str] = None
+    param: str = "structured_output"
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "lark") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValidationError(self.param, given or None, "give exactly one of json, regex, choice or lark")
+        if self.json is not None and not isinstance(self.json, (bool, dict, str)):
+            raise ValidationError(self.param, type(self.json).__name__, "json must be a schema dict, its JSON "
+                                  "text, or True for any JSON object")
+        for k in ("regex", "lark"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValidationError(self.param, v, f"{k} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValidationError(self.param, self.choice, "choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "lark") if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling and stopping; temperature 0 means greedy."""
 
@@ -36,8 +72,16 @@ class SamplingParams:
     logprobs: Optional[int] = None  # top-k logprobs per generated token
     skip_special_tokens: bool = True
     logit_bias: Optional[dict] = None  # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    # A grammar the output must follow (token masks from llguidance, see kvinfer/structured.py).
+    structured_output: Optional[StructuredOutput] = None
 
     def __post_init__(self):
+        if isinstance(self.structured_output, dict):
+            unknown = set(self.structured_output) - {"json", "regex", "choice", "lark", "param"}
+            if unknown:
+                raise ValidationError("structured_output", sorted(unknown), "unknown keys; use json, regex, "
+                                      "choice or lark")
+            self.structured_output = StructuredOutput(**self.structured_output)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
@@ -91,6 +135,8 @@ class SamplingParams:
             if not is_int(t) or t < 0 or not is_num(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                 bad("logit_bias", f"must map token ids (integers >= 0) to numbers in "
                                   f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {t!r}: {v!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            bad("structured_output", "must be a StructuredOutput or a dict of its fields")
 
     @property
     def greedy(self) -> bool:

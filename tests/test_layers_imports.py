@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
 
 LAYERS = {
     0: ["errors", "config", "sampling_params", "utils"],
-    1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant", "spec"],
+    1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant", "spec", "structured"],
     2: ["models", "loaders", "kv"],
     3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],

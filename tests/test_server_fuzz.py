@@ -1,12 +1,15 @@
 """Schemathesis fuzzes the server from its own OpenAPI document: no input may cause a 5xx."""
 from __future__ import annotations
 
+import json
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
@@ -69,6 +72,75 @@ def test_no_server_errors(api_schema, method, path, mode):
         case.call_and_validate(checks=[not_a_server_error, response_schema_conformance], timeout=60)
 
     fuzz()
+
+
+# Any code point, lone surrogates included: JSON can escape them (\\udcff) though they are not Unicode.
+# Lone surrogates are drawn on purpose: they are 2048 of 1.1M code points, and two adjacent ones in JSON
+# (\\ud83d\\ude00) make one valid character, so uniform draws would almost never send one.
+TEXT = st.lists(st.characters() | st.sampled_from(["\udcff", "\ud800 ", "{", " "]), max_size=10).map("".join)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | TEXT,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                    max_leaves=8)
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
+                                           "content": TEXT}, optional={"name": TEXT, "tool_call_id": TEXT}),
+                    min_size=1, max_size=2)
+TOOLS = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": TEXT | st.just("f")}, optional={"description": TEXT, "parameters": JSON})}), max_size=2)
+FORMATS = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                                optional={"json_schema": st.fixed_dictionaries(
+                                    {"name": TEXT}, optional={"schema": st.dictionaries(TEXT, JSON, max_size=2)})})
+BODIES = {
+    "/v1/completions": st.fixed_dictionaries({"prompt": TEXT | st.lists(TEXT, min_size=1, max_size=2),
+                                             "max_tokens": st.just(1)},
+                                            optional={"stop": TEXT, "model": TEXT, "response_format": FORMATS}),
+    "/v1/chat/completions": st.fixed_dictionaries({"messages": MESSAGES, "max_tokens": st.just(1)}, optional={
+        "stop": st.lists(TEXT, max_size=2), "tools": TOOLS, "response_format": FORMATS,
+        "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.just({"type": "function",
+                                                                             "function": {"name": "f"}})}),
+    "/tokenize": st.fixed_dictionaries({}, optional={"prompt": TEXT, "messages": MESSAGES, "model": TEXT}),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 100), max_size=3)},
+                                         optional={"model": TEXT}),
+}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_arbitrary_unicode_bodies(fuzz_server, path):
+    """Every endpoint answers bodies with any Unicode (or none: lone surrogates) with a 2xx/4xx JSON response."""
+    with httpx.Client(base_url=fuzz_server.url, timeout=60) as c:
+        @given(body=BODIES[path] | JSON)
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def fuzz(body):
+            r = c.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            assert r.status_code < 500, (body, r.status_code, r.text)
+            assert r.status_code == 200 or "error" in r.json(), r.text
+
+        fuzz()
+
+
+def test_arbitrary_unicode_in_paths(fuzz_server):
+    with httpx.Client(base_url=fuzz_server.url, timeout=30) as c:
+        @given(name=TEXT)
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def fuzz(name):
+            r = c.get("/v1/models/" + quote(name.encode("utf-8", "surrogatepass"), safe=""))
+            assert r.status_code in (200, 404), (name, r.status_code, r.text)
+            r.json()
+
+        fuzz()
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(fuzz_server):
+    with httpx.Client(base_url=fuzz_server.url, timeout=30) as c:
+        for path, raw, param in [
+                ("/v1/completions", '{"prompt": "\\udcff", "max_tokens": 1}', "prompt"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+                 "messages[0].content"),
+                ("/tokenize", '{"prompt": "\\udcff"}', "prompt"),
+                ("/detokenize", '{"tokens": [1], "model": "\\udcff"}', "model")]:
+            r = c.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "surrogate" in err["message"], err
 
 
 def test_server_is_healthy_and_kv_free_after_fuzzing(fuzz_server):

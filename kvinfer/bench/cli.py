@@ -89,11 +89,13 @@ def register(sub) -> None:
     t.set_defaults(func=cmd_throughput)
 
     from kvinfer.bench.exact import register_exact
+    from kvinfer.bench.structured import register_structured
 
     register_exact(bs)
     from kvinfer.bench.spec import register_spec
 
     register_spec(bs)
+    register_structured(bs)
     try:
         from kvinfer.bench.serve import register_serve
     except ImportError:

@@ -21,6 +21,7 @@ from kvinfer.request import Request, RequestStatus
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.structured import GrammarCompiler, accept_token
 from kvinfer.utils import format_bytes
 
 log = logging.getLogger("kvinfer")
@@ -261,10 +262,13 @@ class LLMEngine:
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_new_tokens(len(ids)))})
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        grammar = self.grammar_matcher(params.structured_output) if params.structured_output is not None else None
         reqs = []
         for i in range(params.n):
             r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, params, group_id=request_id, index=i)
             r.generator = torch.Generator().manual_seed(_child_seed(base_seed, i))
+            if grammar is not None:
+                r.grammar = grammar if i == 0 else grammar.deep_copy()
             reqs.append(r)
         self.scheduler.check_fits(reqs[0])
         share = params.n > 1 and self.kv_manager.kind == "paged"
@@ -277,6 +281,16 @@ class LLMEngine:
             self._pending_forks[reqs[0].request_id] = reqs[1:]
         self.groups[request_id] = _Group(request_id, text, ids, [self._new_state(r) for r in reqs])
         return request_id
+
+    def grammar_matcher(self, spec):
+        """A matcher for a structured-output spec (compiled grammars are cached); ValidationError if unusable."""
+        if self.sampler.grammars is None:
+            if self.tokenizer is None:
+                raise ValidationError(spec.param, spec.kind, "structured outputs need a model with a tokenizer")
+            # Built once (about a second): llguidance indexes the whole vocabulary.
+            self.sampler.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                    self._eos_ids())
+        return self.sampler.grammars.matcher(spec)
 
     def _new_state(self, r: Request) -> _SampleState:
         st = _SampleState(r)
@@ -397,9 +411,10 @@ class LLMEngine:
         p = r.params
         out = r.output_token_ids if output_ids is None else output_ids
         banned = ()
-        if len(out) < p.min_tokens:
+        # A grammar decides alone when the output may end: banning EOS could leave it no token at all.
+        if len(out) < p.min_tokens and r.grammar is None:
             banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self._eos_ids())
-        return SampleRow(p, r.prompt_token_ids, out, r.generator, banned)
+        return SampleRow(p, r.prompt_token_ids, out, r.generator, banned, r.grammar)
 
     def _eos_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
@@ -408,6 +423,8 @@ class LLMEngine:
 
     def _append_token(self, r: Request, tok: int, lp, now: float) -> None:
         r.output_token_ids.append(tok)
+        if r.grammar is not None and not accept_token(r.grammar, tok):
+            log.warning("request %s: token %d rejected by its grammar: %s", r.request_id, tok, r.grammar.get_error())
         self.stats["generation_tokens"] += 1
         if r.first_token_time is None:
             r.first_token_time = now

@@ -27,6 +27,7 @@ from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      messages_for_template)
+from kvinfer.server.tools import ToolContext, response_format_spec, template_messages
 
 log = logging.getLogger("kvinfer.server")
 
@@ -237,6 +238,7 @@ class _Server:
             kw["stop_token_ids"] = body.stop_token_ids
         if body.logit_bias:
             kw["logit_bias"] = _logit_bias(body.logit_bias, self.vocab_size)
+        kw["structured_output"] = response_format_spec(body.response_format)
         return SamplingParams(**kw)
 
     async def admit(self, prompts: list, params: SamplingParams, prefix: str) -> RequestStream:
@@ -373,7 +375,9 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
                     param += f".{x}"
                 else:
                     break
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "unicode_surrogate":
+            param, msg = first["ctx"]["param"], first["msg"]
+        elif first.get("type") == "json_invalid":
             msg = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         elif not loc:
             msg = "the body must be a JSON object" if first.get("type") != "missing" else "the body is missing"
@@ -500,8 +504,11 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         tok = _need_tokenizer(srv)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        text = tok.apply_chat_template(messages_for_template(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt is not False)
+        tools = _tool_context(body, tok)
+        messages, extra = template_messages(messages_for_template(body.messages), body.messages,
+                                            tools.tools if tools else None, tok.chat_template)
+        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                       **extra)
         ids = tok.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -509,6 +516,8 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         if max_tokens is None:
             # Rest of the context window, as OpenAI does; the engine would otherwise pick it per prompt anyway.
             params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, engine.max_model_len - len(ids))})
+        if tools is not None and tools.forced:
+            params = SamplingParams(**{**params.__dict__, "structured_output": tools.spec})
         if params.n > engine.capacity:
             raise APIError(400, f"n={params.n} sequences; this server holds at most {engine.capacity}", param="n")
         stream = await srv.admit([ids], params, "chatcmpl")
@@ -517,16 +526,19 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         ctx = _Ctx("chatcmpl", srv.model_name, stream, [ids], n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _SSEResponse(_stream_chat(srv, ctx, k, include_usage), stream)
+            return _SSEResponse(_stream_chat(srv, ctx, k, include_usage, tools), stream)
         finals = await srv.collect(stream, request)
         if finals is None:
             return Response(status_code=499)
         out = finals[stream.request_id]
         choices = []
         for o in out.outputs:
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+            message, finish = {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
+            if tools is not None:
+                message, finish = tools.message(o.text, finish)
+            choices.append({"index": o.index, "message": message,
                             "logprobs": srv.chat_logprobs(o.logprobs or [], k) if k is not None else None,
-                            "finish_reason": _finish(o.finish_reason)})
+                            "finish_reason": finish})
         return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": srv.model_name,
                 "choices": choices, "usage": srv.usage([out])}
 
@@ -559,6 +571,27 @@ class _SSEResponse(StreamingResponse):
 
 def _finish(reason: Optional[str]) -> str:
     return reason if reason in ("stop", "length") else "stop"
+
+
+def _tool_context(body: ChatCompletionRequest, tok) -> Optional[ToolContext]:
+    """The request's tool settings checked against each other; None when it offers no tools."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump()
+    if choice in ("required",) or isinstance(choice, dict):
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
+                                "required or a named function)", param="response_format")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: function names must be unique", param="tools")
+    return ToolContext(tools, None if choice == "auto" else choice, body.parallel_tool_calls is not False,
+                       tok.chat_template)
 
 
 def _need_tokenizer(srv: _Server):
@@ -628,7 +661,8 @@ async def _stream_completion(srv: _Server, ctx: _Ctx, echo: bool, want_lp: bool,
         stream.abort()
 
 
-async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage: bool) -> AsyncIterator[str]:
+async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage: bool,
+                       tools: Optional[ToolContext] = None) -> AsyncIterator[str]:
     stream, n = ctx.stream, ctx.n
     tracker = LatencyTracker(srv.metrics)
     lp_seen: dict[int, int] = {}
@@ -640,6 +674,7 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
         for i in range(n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+        tool_streams = {i: tools.stream() for i in range(n)} if tools is not None else {}
         async for out in stream:
             tracker.observe(out)
             for o in out.outputs:
@@ -649,12 +684,21 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
                     lp_seen[o.index] = len(o.logprobs)
                     if len(o.logprobs) > start:
                         lps = srv.chat_logprobs(o.logprobs[start:], k)
-                if o.delta_text or lps:
-                    yield _sse({**head, "choices": [{"index": o.index, "delta": {"content": o.delta_text},
+                ts = tool_streams.get(o.index)
+                content, calls = (o.delta_text, []) if ts is None else ts.step(o.delta_text)
+                if content or calls or lps:
+                    yield _sse({**head, "choices": [{"index": o.index, "delta": _chat_delta(content, calls),
                                                      "logprobs": lps, "finish_reason": None}]})
                 if o.finish_reason:
+                    finish = _finish(o.finish_reason)
+                    if ts is not None:
+                        rest, calls, is_call = ts.end()
+                        finish = "tool_calls" if is_call else finish
+                        if rest or calls:
+                            yield _sse({**head, "choices": [{"index": o.index, "delta": _chat_delta(rest, calls),
+                                                             "logprobs": None, "finish_reason": None}]})
                     yield _sse({**head, "choices": [{"index": o.index, "delta": {}, "logprobs": None,
-                                                     "finish_reason": _finish(o.finish_reason)}]})
+                                                     "finish_reason": finish}]})
             if out.finished:
                 finished.append(out)
         if include_usage:
@@ -666,6 +710,13 @@ async def _stream_chat(srv: _Server, ctx: _Ctx, k: Optional[int], include_usage:
         yield _DONE
     finally:
         stream.abort()
+
+
+def _chat_delta(content: str, tool_calls: list) -> dict:
+    delta: dict[str, Any] = {"content": content} if content or not tool_calls else {}
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta
 
 
 def _document(app: FastAPI, model_name: str) -> None:

@@ -19,12 +19,54 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 Stop = Union[None, str, list[str]]
 
 
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _lone_surrogate_path(value: Any, path: str = "body") -> Optional[str]:
+    """Where a string holds a lone surrogate (a valid JSON escape such as \\udcff, but not Unicode)."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and not _is_unicode(k):
+                return path
+            bad = _lone_surrogate_path(v, str(k) if path == "body" else f"{path}.{k}")
+            if bad:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            bad = _lone_surrogate_path(v, f"{path}[{i}]")
+            if bad:
+                return bad
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: its strings must be valid Unicode (the tokenizer cannot take lone surrogates)."""
+
+    model_config = _CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = _lone_surrogate_path(data)
+        if bad:
+            raise PydanticCustomError("unicode_surrogate", "{param}: the string holds a lone UTF-16 surrogate, "
+                                      "which is not valid Unicode", {"param": bad})
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: Optional[bool] = Field(False, description="send a last chunk with the token usage")
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields common to completions and chat completions (OpenAI's, then vLLM-style extras)."""
 
     model_config = _CONFIG
@@ -53,7 +95,28 @@ class _SamplingFields(BaseModel):
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit before sampling")
 
 
-class CompletionRequest(_SamplingFields):
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON Schema of the output")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (the default), `json_object` (any JSON object) or `json_schema` (a JSON Schema the output follows)."""
+
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class _StructuredFields(BaseModel):
+    model_config = _CONFIG
+    response_format: Optional[ResponseFormat] = Field(None, description="constrain the output to JSON")
+
+
+class CompletionRequest(_SamplingFields, _StructuredFields):
     """POST /v1/completions."""
 
     prompt: Prompt = Field(..., description="text, token ids, or a list of either (one choice group per prompt)")
@@ -73,11 +136,26 @@ class TextPart(BaseModel):
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str = Field(..., description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = _CONFIG
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
     role: Role
     content: Union[None, str, list[TextPart]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="calls an assistant message made")
+    tool_call_id: Optional[str] = Field(None, description="the call a tool message answers")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -104,7 +182,35 @@ class ChatMessage(BaseModel):
         return data
 
 
-class ChatCompletionRequest(_SamplingFields):
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema of the arguments object")
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
+
+
+class ChatCompletionRequest(_SamplingFields, _StructuredFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -113,9 +219,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     add_generation_prompt: Optional[bool] = True
+    tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: Optional[bool] = Field(True, description="allow several calls in one answer")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """POST /tokenize: give either `prompt` or `messages`."""
 
     model_config = _CONFIG
@@ -127,7 +237,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: Optional[bool] = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """POST /detokenize."""
 
     model_config = _CONFIG

@@ -107,6 +107,9 @@ class Speculator:
             # Only sequences in decode (one pending token) with a first output token (n > 1 forks happen then).
             if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 continue
+            # A grammar's matcher advances one accepted token at a time: constrained requests decode plainly.
+            if getattr(r, "grammar", None) is not None:
+                continue
             st = self.states.get(r.request_id)
             if st is None:
                 index = NgramIndex(self.ngram_min, self.ngram_max) if self.method == "ngram" else None

@@ -1,0 +1,366 @@
+"""Tool calling for the chat API: tools rendered into the prompt, grammars for forced calls, and the model's
+text parsed back into OpenAI `tool_calls` (Hermes/Qwen `<tool_call>` JSON, Llama 3 JSON), whole or streamed."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvinfer.errors import ValidationError
+from kvinfer.sampling_params import StructuredOutput
+
+HERMES = "hermes"
+LLAMA3 = "llama3"
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+# Written into the system prompt when the model's own template has no place for tools; the format is Hermes',
+# which the parser of such models then reads back.
+_HERMES_SYSTEM = (
+    "You are a function calling AI model. You may call one or more functions to assist with the user query. "
+    "The functions are given in JSON within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>"
+)
+
+
+def parser_for_template(template: str) -> str:
+    """The tool-call format a chat template teaches its model (Hermes unless it is Llama 3's)."""
+    if _PYTHON_TAG in template or "ipython" in template:
+        return LLAMA3
+    return HERMES
+
+
+def template_knows_tools(template: str) -> bool:
+    return "tools" in template
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+# ---- prompt side -----------------------------------------------------------------------------------------
+def template_messages(messages: list[dict], raw_messages: list, tools: Optional[list[dict]],
+                      template: str) -> tuple[list[dict], dict]:
+    """Messages and extra template variables with tool definitions, assistant tool calls and tool results.
+
+    `messages` are the plain {role, content} dicts; `raw_messages` the request's messages (with tool_calls and
+    tool_call_id). A template that mentions tools gets them the Hugging Face way (the `tools` variable,
+    `tool_calls` with arguments as objects); any other template gets them written into the text as Hermes does.
+    """
+    native = template_knows_tools(template)
+    out = []
+    for m, raw in zip(messages, raw_messages):
+        m = dict(m)
+        calls = getattr(raw, "tool_calls", None)
+        if calls:
+            parsed = [{"id": c.id, "type": "function",
+                       "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
+                      for c in calls]
+            if native:
+                m["tool_calls"] = parsed
+            else:
+                text = "\n".join(_HERMES_OPEN + "\n" + json.dumps({"name": c["function"]["name"],
+                                                                  "arguments": c["function"]["arguments"]})
+                                 + "\n" + _HERMES_CLOSE for c in parsed)
+                m["content"] = (m["content"] + "\n" if m["content"] else "") + text
+        if raw.role == "tool":
+            if getattr(raw, "tool_call_id", None) is not None:
+                m["tool_call_id"] = raw.tool_call_id
+            if not native:
+                m["content"] = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+        out.append(m)
+    if not tools:
+        return out, {}
+    if native:
+        return out, {"tools": tools}
+    system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out, {}
+
+
+def _as_object(arguments: str) -> Any:
+    # Templates write arguments with tojson; a string that holds JSON is passed as the object it holds.
+    try:
+        return json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments
+
+
+# ---- forced calls ----------------------------------------------------------------------------------------
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists its properties and says nothing
+    about others (what OpenAI's strict mode requires): a small model otherwise invents keys until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(sub) for name, sub in out[k].items()}
+    for k in _SCHEMA_ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = closed_objects(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(sub) for sub in out[k]]
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _parameters(tool: dict) -> dict:
+    params = tool["function"].get("parameters")
+    return closed_objects(params) if params else {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def forced_call_spec(tools: list[dict], choice: Any, parallel: bool) -> tuple[StructuredOutput, Optional[str]]:
+    """The grammar of a forced call, and the function name when it is a named one.
+
+    A named function: the output is its arguments object. `required`: a JSON array of {"name", "arguments"}
+    calls to listed functions (one item when parallel_tool_calls is false), the way vLLM forces calls.
+    """
+    if isinstance(choice, str):
+        items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "arguments": _parameters(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return StructuredOutput(json=schema, param="tools"), None
+    name = choice["function"]["name"]
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise ValidationError("tool_choice", name, "names no function listed in tools")
+    return StructuredOutput(json=_parameters(tool), param=f"tools[{tools.index(tool)}].function.parameters"), name
+
+
+def parse_forced(text: str, name: Optional[str]) -> list[ToolCall]:
+    """Calls out of a forced (grammar-constrained) output; empty if it was cut short before the JSON closed."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if name is not None:
+        return [ToolCall(name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else []
+    if not isinstance(value, list):
+        return []
+    return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
+
+
+# ---- free-form (auto) output ------------------------------------------------------------------------------
+_HERMES_RE = re.compile(re.escape(_HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(_HERMES_CLOSE) + r"|$)", re.S)
+
+
+def _call_from_json(obj: Any, names: set[str]) -> Optional[ToolCall]:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = _as_object(args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[Optional[str], list[ToolCall]]:
+    """(content, calls) from a model's free output. Text that does not parse as a call to a listed function
+    stays content, so a model that only talks is passed through unchanged."""
+    if fmt == HERMES:
+        if _HERMES_OPEN not in text:
+            return text, []
+        calls = []
+        for m in _HERMES_RE.finditer(text):
+            try:
+                call = _call_from_json(json.loads(m.group(1)), names)
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:text.index(_HERMES_OPEN)].strip()
+        return (content or None), calls
+    # Llama 3: optionally <|python_tag|>, then one JSON object, or several separated by ';'.
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call_from_json(obj, names)
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return None, calls
+
+
+class ToolStream:
+    """Splits a streamed output into content deltas and tool calls for one choice.
+
+    Content is sent as it comes, except text that may be the start of a call, which is held back; once a call
+    starts, the rest of the output is held and parsed when the choice finishes (calls are sent whole).
+    """
+
+    def __init__(self, fmt: str, names: set[str], forced_name: Optional[str] = None, forced: bool = False):
+        self.fmt, self.names, self.forced_name, self.forced = fmt, names, forced_name, forced
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.holding = forced  # a forced call is never content
+        self.call_id: Optional[str] = None
+
+    @property
+    def streams_arguments(self) -> bool:
+        """A named forced call: its name is known up front, so its arguments stream as they are generated."""
+        return self.forced_name is not None
+
+    def argument_deltas(self, delta: str) -> list[dict]:
+        """tool_calls deltas for a named forced call: the opening one (id, type, name) first, then arguments."""
+        self.text += delta
+        if self.call_id is None:
+            self.call_id = ToolCall(self.forced_name, "").id
+            return [{"index": 0, "id": self.call_id, "type": "function",
+                     "function": {"name": self.forced_name, "arguments": delta}}]
+        return [{"index": 0, "function": {"arguments": delta}}] if delta else []
+
+    def feed(self, delta: str) -> str:
+        """Content to send now."""
+        self.text += delta
+        if self.holding:
+            return ""
+        if self.fmt == HERMES:
+            i = self.text.find(_HERMES_OPEN, self.sent)
+            if i != -1:
+                self.holding = True
+                out, self.sent = self.text[self.sent:i], i
+                return out
+            safe = len(self.text)
+            # Hold a tail that could still grow into the opening tag.
+            for k in range(min(len(_HERMES_OPEN) - 1, len(self.text)), 0, -1):
+                if _HERMES_OPEN.startswith(self.text[-k:]):
+                    safe = len(self.text) - k
+                    break
+        else:
+            safe = len(self.text)
+            if self.sent == 0:
+                # Llama 3 calls are the whole output: decide from its first characters.
+                head = self.text.lstrip()
+                if head.startswith("{") or head.startswith(_PYTHON_TAG):
+                    self.holding = True
+                    return ""
+                if not head or _PYTHON_TAG.startswith(head):
+                    return ""
+        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return out
+
+    def step(self, delta: str) -> tuple[str, list[dict]]:
+        """(content, tool_calls deltas) to send for the next piece of output."""
+        if self.streams_arguments:
+            return "", self.argument_deltas(delta)
+        return self.feed(delta), []
+
+    def end(self) -> tuple[str, list[dict], bool]:
+        """(content, tool_calls deltas) still to send when the choice finishes, and whether it made calls."""
+        rest, calls = self.finish()
+        if self.streams_arguments:
+            return "", [], bool(calls)
+        return rest, tool_call_deltas(calls), bool(calls)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content still to send, calls) once the choice is done."""
+        if self.forced:
+            return "", parse_forced(self.text, self.forced_name)
+        content, calls = parse_tool_calls(self.text, self.fmt, self.names)
+        if calls:
+            end = self.text.find(_HERMES_OPEN) if self.fmt == HERMES else self.sent
+            return self.text[self.sent:max(end, self.sent)].rstrip(), calls
+        return self.text[self.sent:], []
+
+
+# ---- per request -------------------------------------------------------------------------------------------
+class ToolContext:
+    """What a chat request asked of tools, and how its outputs turn into OpenAI messages and deltas."""
+
+    def __init__(self, tools: list[dict], choice: Any, parallel: bool, template: str):
+        self.tools = tools
+        self.names = {t["function"]["name"] for t in tools}
+        self.fmt = parser_for_template(template)
+        self.mode = "auto" if choice is None else (choice if isinstance(choice, str) else "named")
+        self.spec: Optional[StructuredOutput] = None
+        self.forced_name: Optional[str] = None
+        if self.mode in ("required", "named"):
+            self.spec, self.forced_name = forced_call_spec(tools, choice, parallel)
+        self.parallel = parallel
+
+    @property
+    def forced(self) -> bool:
+        return self.spec is not None
+
+    def calls(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
+        if self.mode == "none":
+            return text, []
+        if self.forced:
+            calls = parse_forced(text, self.forced_name)
+            return (None, calls) if calls else (text, [])
+        content, calls = parse_tool_calls(text, self.fmt, self.names)
+        if calls and not self.parallel:
+            calls = calls[:1]
+        return content, calls
+
+    def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice, and its finish_reason."""
+        content, calls = self.calls(text)
+        if not calls:
+            return {"role": "assistant", "content": content}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+
+    def stream(self) -> Optional[ToolStream]:
+        if self.mode == "none":
+            return None
+        return ToolStream(self.fmt, self.names, self.forced_name, self.forced)
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """Whole calls in OpenAI's streamed form (`index` says which call a delta extends)."""
+    return [{"index": i, **c.to_openai()} for i, c in enumerate(calls)]
+
+
+def response_format_spec(fmt: Any) -> Optional[StructuredOutput]:
+    """The grammar spec of an OpenAI response_format (pydantic ResponseFormat); None for plain text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput(json=True, param="response_format")
+    if fmt.json_schema is None:
+        raise ValidationError("response_format", "json_schema", "type json_schema needs a json_schema object")
+    schema = fmt.json_schema.schema_
+    return StructuredOutput(json=closed_objects(schema) if schema else True, param="response_format")
