@@ -66,6 +66,7 @@ OWN = {
     "bench throughput": {"--num-requests": ["0"], "--workload-seed": ["-1", HUGE], "--compare": ["vllm"],
                          "--llama-server-slots": ["0"],
                          "--hf-batch-size": ["0"]},
+    "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"]},
     "bench exact": {"--prompts": ["1", HUGE], "--tokens": ["0", "nan"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
                     "--rounds": ["0", "nan"]},
@@ -161,7 +162,7 @@ def _no_allocation(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("allocated after all")
 
-    for name in ("load_model", "PagedCache", "ContiguousCache"):
+    for name in ("load_model", "make_cache"):
         monkeypatch.setattr(llm_engine, name, boom)
     return llm_engine
 

@@ -17,7 +17,7 @@ def register_spec(bs) -> None:
                                   "identical. Without --speculative/--speculative-model it uses --speculative ngram.")
     s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
                    help="new tokens per extractive prompt, at most (default 128)")
-    s.add_argument("--prompts", type=int_at_least("--prompts"), default=8,
+    s.add_argument("--prompts", type=int_at_least("--prompts", 1, 8), default=8,
                    help="extractive prompts to use, 1-8 (default 8)")
     s.add_argument("--throughput-requests", type=int_at_least("--throughput-requests", 0), default=16,
                    help="requests of the bench throughput workload for the non-extractive check; 0 skips it "

@@ -148,6 +148,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
         source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
+        if config.speculative_model:  # a missing draft model fails before the target is loaded
+            try:
+                resolve_source(config.speculative_model, "dummy" if config.load_format == "dummy" else "auto")
+            except ModelLoadError as e:
+                raise ValidationError("speculative_model", config.speculative_model, str(e)) from None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
