@@ -66,6 +66,7 @@ OWN = {
     "bench throughput": {"--num-requests": ["0"], "--workload-seed": ["-1", HUGE], "--compare": ["vllm"],
                          "--llama-server-slots": ["0"],
                          "--hf-batch-size": ["0"]},
+    "bench structured": {"--requests": ["0"], "--tokens": ["1", "nan"], "--rounds": ["0"]},
     "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"]},
     "bench exact": {"--prompts": ["1", HUGE], "--tokens": ["0", "nan"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
