@@ -12,6 +12,7 @@ from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.config import EngineConfig
 from kvinfer.errors import ValidationError
 from kvinfer.kv.cache import PagedCache, SeqSlice
+from tests.test_quantized_fidelity import PROMPTS
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the 8-bit KV cache needs the CPU kernels")
 
@@ -129,14 +130,6 @@ def test_8bit_cache_keeps_exactness_and_the_fused_step(engines):
             assert [x.logprob for x in t.outputs[0].logprobs] == [x.logprob for x in other.outputs[0].logprobs]
 
 
-PROMPTS = [
-    "The capital of France is", "def add(a, b):", "Water boils at", "The quick brown fox", "In 1969, humans",
-    "My favourite recipe for soup", "import numpy as np\n", "The theory of relativity", "Dear hiring manager,",
-    "Photosynthesis is the process", "Once upon a time", "The best way to learn a language",
-    "SELECT name FROM users WHERE", "The mitochondria is", "A haiku about winter:", "To be or not to be",
-    "The largest planet in the solar system", "Machine learning models", "Here is a list of fruits:",
-    "The history of Rome",
-]
 
 
 def _perplexity(llm, ids) -> float:
