@@ -43,16 +43,15 @@ def _raw_tensor(raw: RawWeight, qtype: str, shape: tuple[int, int]) -> torch.Ten
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with W kept as raw GGML blocks (any type dequant.py knows).
 
-    Batches of up to `kernel_max_rows` rows (decode steps) go to the quantised kernel when the type is one it
-    implements (Q4_0, Q4_1, Q8_0), the input is float32 on CPU and the kernel could be built; results equal
-    x @ dequantize(W)^T up to float32 summation order. Larger batches (prefill), other types and devices use a
-    float32 copy of W with F.linear.
+    Float32 CPU inputs go to the quantised kernel when the type is one it implements (Q4_0, Q4_1, Q8_0) and the
+    kernel could be built: every batch size by default (batch invariance: a row's result never depends on the
+    batch; x is rounded to int16 per 32-value block). With KVINFER_BATCH_INVARIANT=0 only batches of up to
+    `kernel_max_rows` rows do, and larger ones (prefill) use a float32 copy of W with F.linear, as do other
+    types, dtypes and devices.
 
-    Memory: the float32 copy costs 4 bytes per weight (6.4x a Q4_1 weight, 3.8x Q8_0). With
-    keep_dequantized=True (default) it is made on the first large batch and kept, so a model that prefills
-    holds both forms; keep_dequantized=False dequantizes on every large call instead, which costs about as
-    much as the GEMM itself at 64 rows (3.5 ms for 3072x576 Q4_1), so it only suits rare long prompts;
-    kernel_max_rows=None sends every batch to the kernel, never making the copy (prefill 10-20% slower).
+    Memory: the float32 copy costs 4 bytes per weight (6.4x a Q4_1 weight, 3.8x Q8_0) and is only made when a
+    batch takes F.linear; keep_dequantized=True (default) keeps it, keep_dequantized=False dequantizes on every
+    such call instead.
     """
 
     def __init__(self, raw: RawWeight, qtype, shape: Sequence[int], bias: Optional[torch.Tensor] = None, *,
