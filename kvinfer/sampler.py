@@ -60,6 +60,21 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+    """One token from probs [vocab] (zeros never drawn) by inverse CDF: a single uniform number per draw.
+
+    torch.multinomial draws one exponential number per vocabulary entry (about 1.3 ms for 49k entries on this
+    kind of CPU, a quarter of a 16-row sampled decode step); this costs one cumulative sum (~70 us). The sum runs
+    in float64 in index order, so the draw depends only on the row and its generator.
+    """
+    cdf = probs.to(torch.float64).cumsum(0)  # [vocab]
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= len(cdf):  # u rounded up to the total: the last token with any mass
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
+
+
 def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
     """One row of logits [vocab] with banned ids masked and penalties applied (a new tensor)."""
     row = row.clone()
@@ -114,5 +129,5 @@ class Sampler:
                     tokens.append(int(row.argmax()))
                     continue
                 probs = filter_probs(row, r.params)
-                tokens.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+                tokens.append(draw(probs, r.generator))
         return SampleResult(tokens, chosen_logprobs(raw, rows, tokens))

@@ -6,7 +6,7 @@ import torch
 
 from kvinfer import LLM, SamplingParams
 from kvinfer.errors import ValidationError
-from kvinfer.sampler import Sampler, SampleRow, filter_probs
+from kvinfer.sampler import Sampler, SampleRow, draw, filter_probs
 
 
 def rows(n, **kw):
@@ -85,3 +85,17 @@ def test_invalid_values_name_the_parameter(kw, param):
     with pytest.raises(ValidationError) as e:
         SamplingParams(**kw)
     assert e.value.param == param and param in str(e.value)
+
+
+def test_draw_follows_probabilities_never_draws_zeros_and_repeats_with_its_generator():
+    probs = torch.zeros(1000)
+    probs[[3, 500, 998]] = torch.tensor([0.5, 0.3, 0.2])  # zeros before, between and after the mass
+    g = torch.Generator().manual_seed(1)
+    draws = [draw(probs, g) for _ in range(6000)]
+    assert set(draws) <= {3, 500, 998}
+    for tok, p in [(3, 0.5), (500, 0.3), (998, 0.2)]:
+        assert abs(draws.count(tok) / len(draws) - p) < 0.03
+    assert draw(probs, torch.Generator().manual_seed(7)) == draw(probs, torch.Generator().manual_seed(7))
+    point = torch.zeros(50)
+    point[49] = 1e-30  # unnormalised, all mass on the last entry
+    assert all(draw(point, g) == 49 for _ in range(20))

@@ -10,7 +10,7 @@ from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.kv.cache import PagedCache
 from kvinfer.kv.manager import PagedKVManager
 from kvinfer.request import Request
-from kvinfer.sampler import filter_probs
+from kvinfer.sampler import draw, filter_probs
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -97,7 +97,7 @@ class DraftProposer:
                     tok = int(row.argmax())
                 else:
                     q = filter_probs(row.clone(), p)  # [vocab]
-                    tok = int(torch.multinomial(q, 1, generator=r.generator))
+                    tok = draw(q, r.generator)
                     probs[r.request_id].append(q)
                 sh.req.output_token_ids.append(tok)
                 if step + 1 < k:

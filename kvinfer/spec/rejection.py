@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvinfer.sampler import Sampler, SampleResult, SampleRow, chosen_logprobs, filter_probs, process_row
+from kvinfer.sampler import Sampler, SampleResult, SampleRow, chosen_logprobs, draw, filter_probs, process_row
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int],
@@ -37,7 +37,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SampleRow], dr
     for j in range(k + 1):
         p = filter_probs(process_row(logits[j], rows[j]), rows[j].params)  # [vocab]
         if j == k:  # every draft token accepted: the bonus token comes from the target alone
-            tokens.append(int(torch.multinomial(p, 1, generator=gen)))
+            tokens.append(draw(p, gen))
             break
         d = draft[j]
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
@@ -52,6 +52,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SampleRow], dr
             residual = (p - draft_probs[j]).clamp_min_(0.0)
         mass = float(residual.sum())
         # p == q (up to rounding) leaves no residual mass; p is then the right distribution to draw from.
-        tokens.append(int(torch.multinomial(residual / mass if mass > 0 else p, 1, generator=gen)))
+        tokens.append(draw(residual if mass > 0 else p, gen))
         break
     return SampleResult(tokens, chosen_logprobs(logits[:len(tokens)], rows[:len(tokens)], tokens))
