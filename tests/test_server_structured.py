@@ -208,13 +208,41 @@ def _joined_stream(client, **kw):
     return content, calls, finish
 
 
-def test_streamed_named_call_sends_arguments_as_they_come(srv, client):
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_forced_call_sends_arguments_as_they_come(srv, client, tool_choice):
+    chunks = list(client.chat.completions.create(
+        model=srv.model_name, messages=ask("Time in Rome?"), tools=TOOLS, temperature=0, max_tokens=60,
+        tool_choice=tool_choice, stream=True))
+    pieces = [tc.function.arguments for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert len(pieces) > 2  # arguments arrive in several deltas, not whole at the end
     content, calls, finish = _joined_stream(client, model=srv.model_name, messages=ask("Time in Rome?"),
-                                            tools=TOOLS, temperature=0, max_tokens=60,
-                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
+                                            tools=TOOLS, temperature=0, max_tokens=60, tool_choice=tool_choice)
     assert finish == "tool_calls" and content == ""
-    assert list(calls) == [0] and calls[0]["name"] == "get_time"
-    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS["get_time"])
+    assert list(calls) == [0] and calls[0]["name"] in PARAMS
+    if isinstance(tool_choice, dict):
+        assert calls[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
+
+
+def test_forced_required_stream_deltas_rebuild_every_call():
+    from kvinfer.server.tools import ToolStream, partial_calls
+
+    text = '[{"name": "get_weather", "arguments": {"city": "O\\"slo", "n": [1, {"a": "}"}]}}, ' \
+           '{"name":"get_time","arguments":{}}]'
+    assert partial_calls('[{"name": "get_wea') == [(None, "")]
+    assert partial_calls('[{"name": "get_weather", "arguments": {"ci') == [("get_weather", '{"ci')]
+    ts = ToolStream("hermes", {"get_weather", "get_time"}, forced=True)
+    calls: dict = {}
+    for ch in text:  # one character per step: every cut point of the output
+        content, deltas = ts.step(ch)
+        assert content == ""
+        for d in deltas:
+            slot = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+            assert ("id" in d) == (slot["arguments"] == "")  # the id comes once, with the name
+            slot["arguments"] += d["function"]["arguments"]
+    assert ts.end() == ("", [], True)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c["name"], c["arguments"]) for c in json.loads(text)]
 
 
 def test_streamed_json_schema_and_length(srv, client):

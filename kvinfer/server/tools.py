@@ -224,11 +224,107 @@ def parse_tool_calls(text: str, fmt: str, names: set[str]) -> tuple[Optional[str
     return None, calls
 
 
-class ToolStream:
-    """Splits a streamed output into content deltas and tool calls for one choice.
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
 
-    Content is sent as it comes, except text that may be the start of a call, which is held back; once a call
-    starts, the rest of the output is held and parsed when the choice finishes (calls are sent whole).
+
+def _string_end(text: str, i: int) -> int:
+    """Index just past the JSON string opening at text[i], or -1 if the text ends inside it."""
+    i += 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1
+        i += 1
+    return -1
+
+
+def _value_end(text: str, i: int) -> int:
+    """Index just past the JSON value starting at text[i] (any kind), or -1 if the text ends inside it."""
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in "[{":
+        j = i
+        while j < len(text) and text[j] not in ",}] \t\r\n":
+            j += 1
+        return j if j < len(text) else -1
+    depth = 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            i = _string_end(text, i)
+            if i == -1:
+                return -1
+            continue
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
+def partial_calls(text: str) -> list[tuple[Optional[str], str]]:
+    """(name or None while unknown, arguments text so far) of each call in a possibly unfinished forced output:
+    a JSON array of {"name": ..., "arguments": {...}} objects, as the `required` grammar writes it."""
+    calls: list[tuple[Optional[str], str]] = []
+    i = _skip_ws(text, 0)
+    if i >= len(text) or text[i] != "[":
+        return calls
+    i += 1
+    while True:
+        i = _skip_ws(text, i)
+        if i < len(text) and text[i] == ",":
+            i = _skip_ws(text, i + 1)
+        if i >= len(text) or text[i] != "{":
+            return calls
+        i += 1
+        name, args = None, ""
+        calls.append((name, args))
+        while True:
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+            if i >= len(text):
+                return calls
+            if text[i] == "}":
+                i += 1
+                break
+            key_end = _string_end(text, i) if text[i] == '"' else -1
+            if key_end == -1:
+                return calls
+            key = json.loads(text[i:key_end])
+            i = _skip_ws(text, key_end)
+            if i >= len(text) or text[i] != ":":
+                return calls
+            i = _skip_ws(text, i + 1)
+            if i >= len(text):
+                return calls
+            end = _value_end(text, i)
+            if key == "arguments":
+                args = text[i:] if end == -1 else text[i:end]
+            elif key == "name" and end != -1:
+                name = json.loads(text[i:end])
+            calls[-1] = (name, args)
+            if end == -1:
+                return calls
+            i = end
+
+
+class ToolStream:
+    """Splits a streamed output into content deltas and tool-call deltas for one choice.
+
+    Forced calls (a named function, or `required`) stream their arguments as they are generated, the way OpenAI
+    does: the grammar guarantees their shape. Free (`auto`) output is sent as content as it comes, except text
+    that may be the start of a call, which is held back; once a call starts, the rest of the output is held and
+    parsed when the choice finishes (those calls are sent whole, since the model may not finish them validly).
     """
 
     def __init__(self, fmt: str, names: set[str], forced_name: Optional[str] = None, forced: bool = False):
@@ -236,21 +332,29 @@ class ToolStream:
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = forced  # a forced call is never content
-        self.call_id: Optional[str] = None
-
-    @property
-    def streams_arguments(self) -> bool:
-        """A named forced call: its name is known up front, so its arguments stream as they are generated."""
-        return self.forced_name is not None
+        self.call_ids: list[str] = []  # ids of the calls whose opening delta was sent
+        self.args_sent: list[int] = []  # characters of each call's arguments sent
 
     def argument_deltas(self, delta: str) -> list[dict]:
-        """tool_calls deltas for a named forced call: the opening one (id, type, name) first, then arguments."""
+        """tool_calls deltas of a forced output: each call's opening one (id, type, name), then its arguments."""
         self.text += delta
-        if self.call_id is None:
-            self.call_id = ToolCall(self.forced_name, "").id
-            return [{"index": 0, "id": self.call_id, "type": "function",
-                     "function": {"name": self.forced_name, "arguments": delta}}]
-        return [{"index": 0, "function": {"arguments": delta}}] if delta else []
+        if self.forced_name is not None:  # the output is the one call's arguments object
+            calls = [(self.forced_name, self.text)]
+        else:
+            calls = partial_calls(self.text)
+        out = []
+        for i, (name, args) in enumerate(calls):
+            if name is None or (i == len(self.call_ids) and not args):
+                break  # the name, then the first character of arguments, before the opening delta
+            if i == len(self.call_ids):
+                self.call_ids.append(ToolCall(name, "").id)
+                self.args_sent.append(len(args))
+                out.append({"index": i, "id": self.call_ids[i], "type": "function",
+                            "function": {"name": name, "arguments": args}})
+            elif len(args) > self.args_sent[i]:
+                out.append({"index": i, "function": {"arguments": args[self.args_sent[i]:]}})
+                self.args_sent[i] = len(args)
+        return out
 
     def feed(self, delta: str) -> str:
         """Content to send now."""
@@ -284,14 +388,14 @@ class ToolStream:
 
     def step(self, delta: str) -> tuple[str, list[dict]]:
         """(content, tool_calls deltas) to send for the next piece of output."""
-        if self.streams_arguments:
+        if self.forced:
             return "", self.argument_deltas(delta)
         return self.feed(delta), []
 
     def end(self) -> tuple[str, list[dict], bool]:
         """(content, tool_calls deltas) still to send when the choice finishes, and whether it made calls."""
         rest, calls = self.finish()
-        if self.streams_arguments:
+        if self.forced:
             return "", [], bool(calls)
         return rest, tool_call_deltas(calls), bool(calls)
 
