@@ -82,7 +82,12 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
         ids, bias = zip(*r.params.logit_bias.items())
         row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
     if r.banned_ids:
-        row[torch.tensor(list(r.banned_ids), dtype=torch.long)] = float("-inf")
+        idx = torch.tensor(list(r.banned_ids), dtype=torch.long)
+        kept = row[idx].clone()
+        row[idx] = float("-inf")
+        if r.grammar is not None and not bool(torch.isfinite(row).any()):
+            row[idx] = kept  # the grammar is complete: min_tokens cannot make it go on
+
     if r.params.uses_penalties:
         row = apply_penalties(row, r.params, r.prompt_ids, r.output_ids)
     return row

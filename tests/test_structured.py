@@ -51,6 +51,20 @@ def test_json_regex_choice_n_and_stop_in_one_batch(llm):
     assert stopped.text == "red" and stopped.finish_reason == "stop"
 
 
+def test_min_tokens_under_a_grammar(llm):
+    p = chat(llm, "What color is the sky? One word.")
+    words = {"regex": "[a-z]+( [a-z]+)*"}
+    short, longer, choice = llm.generate([p, p, p], [
+        SamplingParams(max_tokens=20, temperature=0, structured_output=words),
+        SamplingParams(max_tokens=20, temperature=0, min_tokens=12, structured_output=words),
+        # Complete before min_tokens: the grammar's end wins, the request stops.
+        SamplingParams(max_tokens=20, temperature=0, min_tokens=15, structured_output={"choice": ["yes", "no"]}),
+    ])
+    assert short.outputs[0].finish_reason == "stop" and len(short.outputs[0].token_ids) < 12
+    assert re.fullmatch("[a-z]+( [a-z]+)*", longer.outputs[0].text) and len(longer.outputs[0].token_ids) >= 12
+    assert choice.outputs[0].text in ("yes", "no") and choice.outputs[0].finish_reason == "stop"
+
+
 def test_length_before_the_json_closes(llm):
     out = llm.generate(chat(llm, "JSON please"), SamplingParams(max_tokens=3, temperature=0,
                                                                structured_output={"json": PERSON}))[0].outputs[0]

@@ -416,8 +416,8 @@ class LLMEngine:
         p = r.params
         out = r.output_token_ids if output_ids is None else output_ids
         banned = ()
-        # A grammar decides alone when the output may end: banning EOS could leave it no token at all.
-        if len(out) < p.min_tokens and r.grammar is None:
+        # Under a grammar the ban yields when the grammar allows nothing else (the sampler checks).
+        if len(out) < p.min_tokens:
             banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self._eos_ids())
         return SampleRow(p, r.prompt_token_ids, out, r.generator, banned, r.grammar)
 
@@ -442,7 +442,8 @@ class LLMEngine:
         p = r.params
         reason, stop_reason = None, None
         is_stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos_ids())
-        if is_stop_token and r.num_output_tokens > p.min_tokens - 1:
+        # A grammar only lets a banned stop token through when the output can end nowhere else.
+        if is_stop_token and (r.num_output_tokens > p.min_tokens - 1 or r.grammar is not None):
             reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
         if st.detok is not None and reason is None:
             st.text += st.detok.add([tok])
