@@ -87,7 +87,10 @@ class QuantLinear(nn.Module):
         first = layers[0]
         if any(m.qtype != first.qtype or m.in_features != first.in_features for m in layers):
             raise ValueError("concat needs layers of one quant type and input size")
-        raw = torch.cat([m.raw for m in layers], dim=0)
+        # numpy's copy: torch.cat of uint8 opens an OpenMP region per call, which costs milliseconds each when
+        # the cores are busy (120 calls at load for the built-in model).
+        raw = torch.from_numpy(np.concatenate([m.raw.numpy() for m in layers], axis=0)) if all(
+            m.raw.is_cpu for m in layers) else torch.cat([m.raw for m in layers], dim=0)
         bias = None
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])

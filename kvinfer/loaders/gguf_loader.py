@@ -201,6 +201,11 @@ class _NotGGUF(Exception):
     pass
 
 
+# The last file's parsed header: a model load opens the same file twice (config, then tensors), and parsing a
+# vocabulary's ~10^5 strings is a good part of start-up. Keyed by path, size, mtime and inode.
+_HEADER_CACHE: dict[tuple, tuple] = {}
+
+
 class _File:
     """An open, memory-mapped GGUF file with its parsed header; close() releases the mapping if it can."""
 
@@ -215,6 +220,13 @@ class _File:
                 self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError as e:
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {e.strerror or e}") from None
+        key = self._header_key()
+        cached = _HEADER_CACHE.get(key)
+        if cached is not None and (cached[1] is not None or not with_tensors):
+            self.metadata = dict(cached[0])
+            self.infos = list(cached[1] or []) if with_tensors else []
+            self.data_start = cached[2] if with_tensors else 0
+            return
         try:
             p = _Parser(self.mm)
             version = p.magic_and_version()
@@ -241,6 +253,12 @@ class _File:
         except (_Truncated, struct.error, ValueError, OverflowError, MemoryError) as e:
             self.close()
             raise ModelLoadError(f"GGUF file {self.path} is truncated or corrupt: {e}") from None
+        _HEADER_CACHE.clear()
+        _HEADER_CACHE[key] = (dict(self.metadata), list(self.infos) if with_tensors else None, self.data_start)
+
+    def _header_key(self) -> tuple:
+        st = self.path.stat()
+        return (str(self.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
 
     def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
         try:

@@ -86,6 +86,18 @@ _BYTE_TO_CHAR = _byte_alphabet()
 _BYTE_CHARS = frozenset(_BYTE_TO_CHAR.values())
 
 
+def _as_texts(items: Sequence[Any]) -> list[str]:
+    """_as_text of every item; one check of the whole list in the usual case (all clean str)."""
+    items = list(items)
+    if all(type(t) is str for t in items):
+        try:
+            "".join(items).encode("utf-8")
+            return items
+        except UnicodeEncodeError:
+            pass
+    return [_as_text(t) for t in items]
+
+
 def _as_text(token: Any) -> str:
     """A GGUF string as a str the Rust side accepts (no lone surrogates)."""
     if isinstance(token, (bytes, bytearray)):
@@ -290,7 +302,7 @@ class Tokenizer:
         raw_tokens = md.get("tokenizer.ggml.tokens")
         if not raw_tokens:
             raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens, so there is no tokenizer to build")
-        tokens = [_as_text(t) for t in raw_tokens]
+        tokens = _as_texts(raw_tokens)
         types = [int(t) for t in md.get("tokenizer.ggml.token_type") or [_TYPE_NORMAL] * len(tokens)]
         if len(types) != len(tokens):
             raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for "
@@ -468,12 +480,15 @@ def _first_index_vocab(tokens: list[str]) -> dict[str, int]:
 def _byte_level_backend(tokens: list[str], types: list[int], md: Mapping[str, Any]) -> tokenizers.Tokenizer:
     # A normal token should already be spelled in the byte alphabet; a few converters store raw text
     # instead, so respell it or the BPE could never produce it.
-    spelled = [t if k != _TYPE_NORMAL or set(t) <= _BYTE_CHARS
-               else "".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
-               for t, k in zip(tokens, types)]
+    if set("".join(tokens)) <= _BYTE_CHARS:  # the usual case, checked at once
+        spelled = tokens
+    else:
+        spelled = [t if k != _TYPE_NORMAL or set(t) <= _BYTE_CHARS
+                   else "".join(_BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
+                   for t, k in zip(tokens, types)]
     merges = []
-    for m in md.get("tokenizer.ggml.merges") or []:
-        left, sep, right = _as_text(m).partition(" ")
+    for m in _as_texts(md.get("tokenizer.ggml.merges") or []):
+        left, sep, right = m.partition(" ")
         if sep:
             merges.append((left, right))
     pre = md.get("tokenizer.ggml.pre") or "default"
