@@ -109,7 +109,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if not self.cfg.enable_chunked_prefill and n < need:
+            if self._must_wait_whole(n, need):
                 break
             while not self.kv.allocate_slots(req, n):
                 if spec:  # out of blocks: drop the proposals before preempting anyone
@@ -131,7 +131,7 @@ class Scheduler:
             req = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
-            if not self.cfg.enable_chunked_prefill and n < req.num_tokens - num_cached:
+            if self._must_wait_whole(n, req.num_tokens - num_cached):
                 break
             if not self.kv.allocate_slots(req, n, computed):
                 break
@@ -146,6 +146,12 @@ class Scheduler:
 
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _must_wait_whole(self, n: int, need: int) -> bool:
+        """Without chunked prefill a sequence runs whole, once a step's budget holds it; one longer than the
+        whole budget (a long prompt, or prompt + outputs recomputed after preemption) would wait forever and
+        block the queue behind it, so it goes in budget-sized pieces."""
+        return not self.cfg.enable_chunked_prefill and n < need <= self.cfg.max_num_batched_tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
