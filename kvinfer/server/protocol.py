@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvinfer.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.sampling_params import MAX_LOGPROBS, MAX_N
 
 # Strict: a string where a number belongs, or true where a token id belongs, is a client bug worth a 400,
@@ -259,6 +262,32 @@ class ErrorResponse(BaseModel):
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape with its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def from_engine_error(e: KvinferError) -> APIError:
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "rate_limit_error", None, "server_busy")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", None, "engine_unavailable")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), "server_error", None, "internal_error")
+    if isinstance(e, RequestTooLargeError):
+        return APIError(400, str(e), "invalid_request_error", e.param, "context_length_exceeded")
+    if isinstance(e, ValidationError):
+        return APIError(400, str(e), "invalid_request_error", e.param, "invalid_value")
+    return APIError(400, str(e), "invalid_request_error", getattr(e, "param", None), None)
 
 
 def message_text(m: ChatMessage) -> str:

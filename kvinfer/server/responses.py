@@ -1,0 +1,353 @@
+"""OpenAI response bodies from engine outputs: token strings and logprobs, usage, and the one SSE streaming loop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from functools import lru_cache
+from typing import Any, AsyncIterator, Iterable, Iterator, Optional
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvinfer.engine.async_engine import RequestStream
+from kvinfer.errors import KvinferError
+from kvinfer.server.metrics import LatencyTracker, ServerMetrics
+from kvinfer.server.protocol import APIError, error_body, from_engine_error
+from kvinfer.server.tools import ToolContext
+
+log = logging.getLogger("kvinfer.server")
+
+
+# ---- token strings and logprobs ----------------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _lp(v: float) -> float:
+    # JSON has no -inf/NaN; OpenAI documents -9999.0 for "very unlikely".
+    return v if v == v and v > -9999.0 else -9999.0
+
+
+class TokenText:
+    """Display string and raw bytes of single tokens, cached (logprob responses repeat the same few ids),
+    and the two OpenAI logprob formats built from them."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.get = lru_cache(maxsize=1 << 16)(self._compute)
+
+    def _compute(self, token_id: int) -> tuple[str, Optional[list[int]]]:
+        if self.tok is None:
+            return f"<{token_id}>", None
+        text = self.tok.decode([token_id])
+        if "\ufffd" not in text:
+            return text, list(text.encode("utf-8"))
+        # Part of a multi-byte character: the display string is lossy, but the byte-level piece is exact.
+        piece = self.tok.convert_ids_to_tokens(token_id) or ""
+        if piece and all(c in _BYTE_DECODER for c in piece):
+            return text, [_BYTE_DECODER[c] for c in piece]
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            try:
+                return text, [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        return text, list(text.encode("utf-8"))
+
+    def completion_logprobs(self, lps, offset: int) -> tuple[dict, int]:
+        """The legacy completions format, and the text offset after these tokens."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            s, _ = self.get(lp.token_id)
+            tokens.append(s)
+            token_lps.append(_lp(lp.logprob))
+            top = {s: _lp(lp.logprob)}
+            for tid, v in lp.top:
+                top.setdefault(self.get(tid)[0], _lp(v))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(s)
+        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}, offset
+
+    def chat_logprobs(self, lps, k: int) -> dict:
+        content = []
+        for lp in lps:
+            s, b = self.get(lp.token_id)
+            top = []
+            for tid, v in lp.top[:k]:
+                ts, tb = self.get(tid)
+                top.append({"token": ts, "logprob": _lp(v), "bytes": tb})
+            content.append({"token": s, "logprob": _lp(lp.logprob), "bytes": b, "top_logprobs": top})
+        return {"content": content}
+
+
+def usage(finished: Iterable) -> dict:
+    """The OpenAI usage object summed over finished RequestOutputs (one per prompt)."""
+    prompt_tokens = completion_tokens = cached = 0
+    for out in finished:
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(reason: Optional[str]) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+# ---- the two replies: what one request's outputs become, streamed or whole -------------------------
+class Reply:
+    """One API request's reply over its engine stream: its id, and how outputs become choices."""
+
+    object = chunk_object = ""
+    usage_in_chunks = False  # chat chunks carry "usage": null when the client asked for a usage chunk
+
+    def __init__(self, prefix: str, model: str, stream: RequestStream):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.stream = stream
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def opening(self) -> Iterator[dict]:
+        """Choices sent before any output."""
+        return iter(())
+
+    def chunks(self, out) -> Iterator[dict]:
+        """Streamed choices for one RequestOutput."""
+        raise NotImplementedError
+
+    def body(self, finals: dict) -> dict:
+        """The whole response from the final RequestOutputs by request id."""
+        raise NotImplementedError
+
+
+class CompletionReply(Reply):
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, model: str, stream: RequestStream, token_text: TokenText, prompts: list, n: int,
+                 echo: bool, want_logprobs: bool):
+        super().__init__("cmpl", model, stream)
+        self.token_text, self.prompts, self.n = token_text, prompts, n
+        self.echo, self.want_lp = echo, want_logprobs
+        self.p_index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        self.lp_seen: dict[int, int] = {}
+        self.offsets: dict[int, int] = {}
+        self.echoed: set[int] = set()
+
+    def _prompt_text(self, p_idx: int, out) -> str:
+        prompt, tok = self.prompts[p_idx], self.token_text.tok
+        if isinstance(prompt, str):
+            return prompt
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def chunks(self, out) -> Iterator[dict]:
+        p_idx = self.p_index[out.request_id]
+        for o in out.outputs:
+            ci = p_idx * self.n + o.index
+            text = o.delta_text
+            if self.echo and ci not in self.echoed:
+                self.echoed.add(ci)
+                text = self._prompt_text(p_idx, out) + text
+            lps = None
+            if self.want_lp and o.logprobs:
+                start = self.lp_seen.get(ci, 0)
+                self.lp_seen[ci] = len(o.logprobs)
+                lps, self.offsets[ci] = self.token_text.completion_logprobs(o.logprobs[start:],
+                                                                           self.offsets.get(ci, 0))
+            # One chunk per step that produced tokens, even when their text is held back (a partial
+            # character or a possible stop string): clients time tokens by chunks.
+            if text or o.finish_reason or o.delta_token_ids:
+                yield {"index": ci, "text": text, "logprobs": lps,
+                       "finish_reason": _finish(o.finish_reason) if o.finish_reason else None}
+
+    def body(self, finals: dict) -> dict:
+        choices = []
+        for p_idx, rid in enumerate(self.stream.request_ids):
+            out = finals[rid]
+            prefix = self._prompt_text(p_idx, out) if self.echo else ""
+            for o in out.outputs:
+                lps = self.token_text.completion_logprobs(o.logprobs or [], 0)[0] if self.want_lp else None
+                choices.append({"index": p_idx * self.n + o.index, "text": prefix + o.text, "logprobs": lps,
+                                "finish_reason": _finish(o.finish_reason)})
+        choices.sort(key=lambda c: c["index"])
+        return {**self.head(self.object), "choices": choices,
+                "usage": usage(finals[r] for r in self.stream.request_ids)}
+
+
+class ChatReply(Reply):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    usage_in_chunks = True
+
+    def __init__(self, model: str, stream: RequestStream, token_text: TokenText, n: int, k: Optional[int],
+                 tools: Optional[ToolContext]):
+        super().__init__("chatcmpl", model, stream)
+        self.token_text, self.n, self.k, self.tools = token_text, n, k, tools
+        self.lp_seen: dict[int, int] = {}
+        self.tool_streams = {i: tools.stream() for i in range(n)} if tools is not None else {}
+
+    def opening(self) -> Iterator[dict]:
+        for i in range(self.n):
+            yield {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+
+    def chunks(self, out) -> Iterator[dict]:
+        for o in out.outputs:
+            lps = None
+            if self.k is not None and o.logprobs:
+                start = self.lp_seen.get(o.index, 0)
+                self.lp_seen[o.index] = len(o.logprobs)
+                if len(o.logprobs) > start:
+                    lps = self.token_text.chat_logprobs(o.logprobs[start:], self.k)
+            ts = self.tool_streams.get(o.index)
+            content, calls = (o.delta_text, []) if ts is None else ts.step(o.delta_text)
+            if content or calls or lps:
+                yield {"index": o.index, "delta": _chat_delta(content, calls), "logprobs": lps,
+                       "finish_reason": None}
+            if o.finish_reason:
+                finish = _finish(o.finish_reason)
+                if ts is not None:
+                    rest, calls, is_call = ts.end()
+                    finish = "tool_calls" if is_call else finish
+                    if rest or calls:
+                        yield {"index": o.index, "delta": _chat_delta(rest, calls), "logprobs": None,
+                               "finish_reason": None}
+                yield {"index": o.index, "delta": {}, "logprobs": None, "finish_reason": finish}
+
+    def body(self, finals: dict) -> dict:
+        out = finals[self.stream.request_id]
+        choices = []
+        for o in out.outputs:
+            message, finish = {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
+            if self.tools is not None:
+                message, finish = self.tools.message(o.text, finish)
+            lps = self.token_text.chat_logprobs(o.logprobs or [], self.k) if self.k is not None else None
+            choices.append({"index": o.index, "message": message, "logprobs": lps, "finish_reason": finish})
+        return {**self.head(self.object), "choices": choices, "usage": usage([out])}
+
+
+def _chat_delta(content: str, tool_calls: list) -> dict:
+    delta: dict[str, Any] = {"content": content} if content or not tool_calls else {}
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta
+
+
+# ---- sending a reply ---------------------------------------------------------------------------------
+async def respond(reply: Reply, request: Request, metrics: ServerMetrics, stream: bool, include_usage: bool):
+    """Server-sent events, or the whole body once every output is final (499 if the client left first)."""
+    if stream:
+        return SSEResponse(_events(reply, metrics, include_usage), reply.stream)
+    finals = await _collect(reply.stream, request, metrics)
+    if finals is None:
+        return Response(status_code=499)
+    return reply.body(finals)
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+async def _events(reply: Reply, metrics: ServerMetrics, include_usage: bool) -> AsyncIterator[str]:
+    """The one streaming loop: a chunk per choice, latencies observed, a usage chunk, errors in-band, abort."""
+    stream = reply.stream
+    tracker = LatencyTracker(metrics)
+    head = reply.head(reply.chunk_object)
+    if include_usage and reply.usage_in_chunks:
+        head["usage"] = None
+    finished = []  # RequestOutputs of finished prompts, for the usage chunk
+    try:
+        for choice in reply.opening():
+            yield _sse({**head, "choices": [choice]})
+        async for out in stream:
+            tracker.observe(out)
+            for choice in reply.chunks(out):
+                yield _sse({**head, "choices": [choice]})
+            if out.finished:
+                finished.append(out)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(finished)})
+        yield _DONE
+    except Exception as e:  # the engine died mid-stream: tell the client in-band, then end the stream
+        log.warning("stream %s failed: %r", reply.id, e)
+        err = from_engine_error(e) if isinstance(e, KvinferError) else APIError(500, "internal error",
+                                                                                 "server_error")
+        yield _sse(error_body(err.message, err.type, err.param, err.code))
+        yield _DONE
+    finally:
+        stream.abort()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(stream: RequestStream, request: Request, metrics: ServerMetrics) -> Optional[dict]:
+    """Final outputs by request id, or None when the client went away first (its requests are aborted)."""
+    tracker = LatencyTracker(metrics)
+
+    async def consume():
+        finals = {}
+        async for out in stream:
+            tracker.observe(out)
+            if out.finished:
+                finals[out.request_id] = out
+        return finals
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        stream.abort()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always abort their engine requests when the response ends, however it ends.
+
+    A client that leaves before the first byte cancels the response before the body generator ever starts,
+    so the generator's own `finally` would never run.
+    """
+
+    def __init__(self, body: AsyncIterator[str], stream: RequestStream):
+        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
