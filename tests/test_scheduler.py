@@ -46,6 +46,17 @@ def step(s: Scheduler, accepted: dict[str, int] | None = None):
     return out
 
 
+def add(s: Scheduler, *reqs: Request) -> None:
+    for r in reqs:
+        s.add_request(r)
+
+
+def started(s: Scheduler, *reqs: Request):
+    """The requests added, then one step (their prompts computed when the budget holds them)."""
+    add(s, *reqs)
+    return step(s)
+
+
 def ids(reqs) -> list[str]:
     return [r.request_id for r in reqs]
 
@@ -54,8 +65,7 @@ def ids(reqs) -> list[str]:
 def test_running_first_then_waiting_in_arrival_order_under_the_budget():
     s = sched(budget=10)
     a, b, c = req("a", 4), req("b", 4), req("c", 6)
-    for r in (a, b, c):
-        s.add_request(r)
+    add(s, a, b, c)
     assert plan(step(s)) == [("a", 0, 4), ("b", 0, 4), ("c", 0, 2)]  # c's prompt is cut to what is left
     assert plan(step(s)) == [("a", 4, 1), ("b", 4, 1), ("c", 2, 4)]  # decodes first, then c's last chunk
     assert plan(step(s)) == [("a", 5, 1), ("b", 5, 1), ("c", 6, 1)]
@@ -65,8 +75,7 @@ def test_running_first_then_waiting_in_arrival_order_under_the_budget():
 def test_long_prompt_is_chunked_around_decodes():
     s = sched(budget=8)
     d = req("d", 3)
-    s.add_request(d)
-    step(s)
+    started(s, d)
     long = req("long", 20)
     s.add_request(long)
     assert [plan(step(s)) for _ in range(4)] == [
@@ -80,8 +89,7 @@ def test_long_prompt_is_chunked_around_decodes():
 def test_without_chunking_a_prompt_waits_for_a_budget_that_holds_it_whole():
     s = sched(budget=8, chunked=False)
     a, b, c = req("a", 4), req("b", 6), req("c", 1)
-    for r in (a, b, c):
-        s.add_request(r)
+    add(s, a, b, c)
     assert plan(step(s)) == [("a", 0, 4)]  # b does not fit in the 4 left, and c may not pass it
     assert plan(step(s)) == [("a", 4, 1), ("b", 0, 6), ("c", 0, 1)]
 
@@ -90,8 +98,7 @@ def test_without_chunking_a_prompt_longer_than_the_whole_budget_still_runs_in_pi
     # Waiting for a budget that holds it whole would wait forever, and block every request behind it.
     s = sched(budget=8, chunked=False)
     a, b = req("a", 12, max_tokens=2), req("b", 2)
-    s.add_request(a)
-    s.add_request(b)
+    add(s, a, b)
     assert plan(step(s)) == [("a", 0, 8)]
     assert plan(step(s)) == [("a", 8, 4), ("b", 0, 2)]
 
@@ -100,8 +107,7 @@ def test_without_chunking_a_preempted_request_longer_than_the_budget_recomputes_
     # Prompt and outputs together outgrow the budget by the time the request is preempted.
     s = sched(num_blocks=5, block_size=4, budget=6, chunked=False)
     a, b = req("a", 4, max_tokens=12, arrival=0), req("b", 2, max_tokens=12, arrival=1)
-    s.add_request(a)
-    s.add_request(b)
+    add(s, a, b)
     longest_victim = 0
     for _ in range(60):
         out = step(s)
@@ -134,8 +140,7 @@ def test_admission_checks_name_the_parameter():
 
 def test_admission_stops_at_max_num_seqs_and_at_the_first_request_that_does_not_fit():
     s = sched(max_seqs=2, budget=64)
-    for r in "abc":
-        s.add_request(req(r, 3))
+    add(s, *(req(r, 3) for r in "abc"))
     assert plan(step(s)) == [("a", 0, 3), ("b", 0, 3)]
     assert ids(s.waiting) == ["c"]
     s.finish(s.requests["a"], "stop")
@@ -144,8 +149,7 @@ def test_admission_stops_at_max_num_seqs_and_at_the_first_request_that_does_not_
     s = sched(num_blocks=4, block_size=4, budget=64)
     big, small = req("big", 9, max_tokens=4), req("small", 1, max_tokens=4)
     s.add_request(req("a", 8, max_tokens=4))
-    s.add_request(big)
-    s.add_request(small)
+    add(s, big, small)
     assert plan(step(s)) == [("a", 0, 8)]  # big needs 3 blocks, 2 are free; small may not pass it
     assert ids(s.waiting) == ["big", "small"] and s.kv.num_free_blocks == 2
 
@@ -153,11 +157,9 @@ def test_admission_stops_at_max_num_seqs_and_at_the_first_request_that_does_not_
 def test_prefix_hit_starts_after_the_cached_blocks_and_leaves_a_token_to_compute():
     s = sched(caching=True)
     a = req("a", range(9))
-    s.add_request(a)
-    step(s)
+    started(s, a)
     b, c = req("b", list(range(8)) + [55, 56]), req("c", range(8))
-    s.add_request(b)
-    s.add_request(c)
+    add(s, b, c)
     assert plan(step(s)) == [("a", 9, 1), ("b", 8, 2), ("c", 4, 4)]  # c: its last full block is recomputed
     assert (b.num_cached_tokens, c.num_cached_tokens) == (8, 4)
     assert s.kv.get_block_table(b)[:2] == s.kv.get_block_table(a)[:2]
@@ -167,9 +169,7 @@ def test_prefix_hit_starts_after_the_cached_blocks_and_leaves_a_token_to_compute
 def _three_decoding(num_blocks=6):
     s = sched(num_blocks=num_blocks, block_size=4, budget=64)
     rs = [req(x, 4, max_tokens=8, arrival=i) for i, x in enumerate("abc")]
-    for r in rs:
-        s.add_request(r)
-    step(s)  # three prompts of exactly one block: each holds 1 block and has one token pending
+    started(s, *rs)  # three prompts of exactly one block: each holds 1 block and has one token pending
     return s, rs
 
 
@@ -192,9 +192,7 @@ def test_several_victims_in_one_step_wait_in_arrival_order():
     # b is a's fork sibling: preempting it frees no block (all shared), so a has to go too.
     s = sched(num_blocks=2, block_size=4, budget=64)
     c, a = req("c", 2, max_tokens=2, arrival=0), req("a", 4, max_tokens=4, arrival=1)
-    s.add_request(c)
-    s.add_request(a)
-    step(s)
+    started(s, c, a)
     b = req("b", range(100, 104), max_tokens=4, arrival=1)
     b.output_token_ids, b.num_computed_tokens = [9], 4
     s.kv.fork(a, b)
@@ -209,9 +207,7 @@ def test_several_victims_in_one_step_wait_in_arrival_order():
 def test_a_request_that_cannot_grow_alone_preempts_itself_and_comes_back_whole():
     s = sched(num_blocks=2, block_size=4, budget=64)
     a, b = req("a", 4, max_tokens=4, arrival=0), req("b", 4, max_tokens=4, arrival=1)
-    s.add_request(a)
-    s.add_request(b)
-    step(s)
+    started(s, a, b)
     out = step(s)
     assert out.preempted == ["b"] and plan(out) == [("a", 4, 1)]
     s.finish(a, "stop")
@@ -229,9 +225,7 @@ def test_waiting_requests_are_not_admitted_in_a_step_that_preempted():
 def test_proposals_ride_on_a_decode_and_are_capped_by_the_budget():
     s = sched(budget=6)
     a, b = req("a", 3, max_tokens=20), req("b", 2, max_tokens=20)
-    s.add_request(a)
-    s.add_request(b)
-    step(s)
+    started(s, a, b)
     a.spec_token_ids, b.spec_token_ids = [1, 2, 3, 4, 5, 6, 7], [8, 9]
     out = s.schedule()
     assert plan(out) == [("a", 3, 6), ("b", 2, 0)][:1]  # a takes the whole budget: 1 pending + 5 proposals
@@ -247,8 +241,7 @@ def test_proposals_ride_on_a_decode_and_are_capped_by_the_budget():
 def test_proposals_are_ignored_while_a_prompt_is_still_being_computed():
     s = sched(budget=4)
     a = req("a", 10)
-    s.add_request(a)
-    step(s)
+    started(s, a)
     a.spec_token_ids = [1, 2]
     out = step(s)
     assert plan(out) == [("a", 4, 4)] and out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
@@ -257,8 +250,7 @@ def test_proposals_are_ignored_while_a_prompt_is_still_being_computed():
 def test_rejected_proposals_are_rolled_back_and_recomputed_nowhere():
     s = sched(block_size=4)
     a = req("a", 3, max_tokens=20)
-    s.add_request(a)
-    step(s)
+    started(s, a)
     a.spec_token_ids = [1, 2, 3, 4, 5, 6]
     out = step(s, accepted={"a": 0})  # all rejected: one new token only
     assert plan(out) == [("a", 3, 7)]
@@ -271,8 +263,7 @@ def test_rejected_proposals_are_rolled_back_and_recomputed_nowhere():
 def test_a_forked_sibling_runs_on_its_parents_blocks_and_finishing_frees_only_its_own():
     s = sched(num_blocks=8, block_size=4)
     p = req("p", 6)
-    s.add_request(p)
-    step(s)
+    started(s, p)
     child = req("p-1", range(100, 106))
     child.output_token_ids = [9]
     child.num_computed_tokens = p.num_computed_tokens
@@ -289,8 +280,7 @@ def test_a_forked_sibling_runs_on_its_parents_blocks_and_finishing_frees_only_it
 def test_finishing_a_waiting_or_unknown_request_only_dequeues_it():
     s = sched()
     a, b = req("a", 3), req("b", 3)
-    s.add_request(a)
-    s.add_request(b)
+    add(s, a, b)
     s.finish(a, "abort")
     assert ids(s.waiting) == ["b"] and a.status == RequestStatus.FINISHED and a.finish_reason == "abort"
     s.finish(a, "abort")  # twice: nothing changes
