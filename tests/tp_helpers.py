@@ -35,8 +35,10 @@ def config_of(family: str, extra: dict) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, seed: int = 0):
-    """The same random decoder on every rank (seeded), biases and norms random too so that every path counts."""
+    """The same random decoder on every rank (seeded), biases and norms random too so that every path counts; its
+    linears on the fixed-order kernel, as the loader sets them (BLAS would pick its order from the shard's shape)."""
     from kvinfer.loaders.model_loader import build_model
+    from kvinfer.models.quantize import use_kernel_linears
 
     model = build_model(cfg, cfg.max_position_embeddings, torch.float32, torch.device("cpu")).eval()
     g = torch.Generator().manual_seed(seed)
@@ -51,6 +53,7 @@ def build(cfg: ModelConfig, seed: int = 0):
                 p.copy_(0.5 * noise)
             else:
                 p.copy_(noise / p.shape[1] ** 0.5)
+    use_kernel_linears(model)
     return model
 
 
@@ -76,7 +79,8 @@ def run_steps(model, cfg: ModelConfig, kv_heads: int) -> torch.Tensor:
 
 
 def family_job(rank: int, world: int, port: int, results) -> None:
-    """One rank of the 3-process gloo job: every CASE sharded and run; rank 0 reports the largest difference."""
+    """One rank of the 3-process gloo job: every CASE sharded both ways (exact, all-reduce) and run; rank 0 reports
+    the largest difference from the unsharded model."""
     import torch.distributed as dist
 
     from kvinfer.parallel.shard import CommStats, kv_heads_per_rank, shard_decoder
@@ -90,12 +94,13 @@ def family_job(rank: int, world: int, port: int, results) -> None:
             if rank >= tp:
                 continue
             cfg = config_of(family, extra)
-            model = shard_decoder(build(cfg), cfg, rank, tp, groups[tp], CommStats())
-            got = run_steps(model, cfg, kv_heads_per_rank(cfg, tp))
-            if rank == 0:
-                ref = run_steps(build(cfg), cfg, cfg.num_kv_heads)
-                same = bool((got.argmax(-1) == ref.argmax(-1)).all())
-                results.put((family, tp, cfg.num_kv_heads, float((got - ref).abs().max()), same))
+            ref = run_steps(build(cfg), cfg, cfg.num_kv_heads) if rank == 0 else None
+            for exact in (True, False):
+                model = shard_decoder(build(cfg), cfg, rank, tp, groups[tp], CommStats(), exact=exact)
+                got = run_steps(model, cfg, kv_heads_per_rank(cfg, tp))
+                if rank == 0:
+                    same = bool((got.argmax(-1) == ref.argmax(-1)).all())
+                    results.put((family, tp, cfg.num_kv_heads, exact, float((got - ref).abs().max()), same))
         dist.destroy_process_group()
     except Exception:
         results.put(("error", rank, traceback.format_exc()))

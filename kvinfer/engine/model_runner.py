@@ -1,7 +1,7 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the decoder, returns logits for sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ class StepPlan:
     positions: list[int]  # [tokens]
     slices: list[SeqSlice]  # per sequence: cached tokens, new tokens, block table or slot
     block_copies: list  # copy-on-write (src, dst) block pairs to apply before the forward
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sharded LM head's)
 
 
 class ModelRunner:
@@ -83,6 +84,7 @@ class ModelRunner:
                 sample_rows += range(n - (s.end - max(s.start, req.num_tokens - 1)), n)
                 if not sampled or sampled[-1] is not orig:
                     sampled.append(orig)
+        p.sample_rows = sample_rows
         return p, sample_rows, sampled
 
     @torch.inference_mode()
@@ -106,5 +108,8 @@ class ModelRunner:
         hidden = self.run_plan(p)
         if not sample_rows:
             return None, []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, sampled
+        return self.logits(hidden, sample_rows), sampled
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """[rows, vocab] float32 (under tensor parallelism every rank calls it: the head's slices are gathered)."""
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

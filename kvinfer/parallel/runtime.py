@@ -21,7 +21,7 @@ from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner, StepPlan
 from kvinfer.errors import KvinferError, ValidationError
 from kvinfer.kv.cache import make_cache
-from kvinfer.parallel.shard import CommStats, RowParallel, check_tp_size, local_config, shard_decoder
+from kvinfer.parallel.shard import CommStats, CollectiveModule, check_tp_size, exact_mode, local_config, shard_decoder
 
 log = logging.getLogger("kvinfer")
 
@@ -159,7 +159,9 @@ def run_worker(config: EngineConfig, rdv: Rendezvous, rank: int) -> int:
     except Exception as e:  # reported to rank 0, which names it in its own error
         err = f"{type(e).__name__}: {e}"
     try:
-        msg = _recv(control)  # ("init", kv_spec)
+        msg = _recv(control)  # ("init", kv_spec, rank 0's exact mode)
+        if err is None and msg[2] != exact_mode():
+            err = f"KVINFER_TP_EXACT differs from rank 0's ({int(msg[2])}): set it alike on every node"
         if err is None:
             try:
                 runner = _worker_runner(loaded, msg[1])
@@ -173,7 +175,9 @@ def run_worker(config: EngineConfig, rdv: Rendezvous, rank: int) -> int:
             msg = _recv(control)
             if msg[0] == "stop":
                 return 0
-            runner.run_plan(msg[1])
+            hidden = runner.run_plan(msg[1])
+            if msg[1].sample_rows:
+                runner.logits(hidden, msg[1].sample_rows)  # this rank's vocabulary slice, gathered by rank 0
     except Exception as e:
         print(f"kvinfer: tensor-parallel rank {rank}: lost rank 0 ({_first_line(e)}); exiting", file=sys.stderr)
         return 1
@@ -303,7 +307,7 @@ class TensorParallel:
             raise TensorParallelError(f"tensor-parallel ranks did not meet at {rdv.addr}:{rdv.port} within "
                                       f"{START_TIMEOUT.total_seconds():.0f} s: {_first_line(e)}") from e
         for m in loaded.model.modules():
-            if isinstance(m, RowParallel):
+            if isinstance(m, CollectiveModule):
                 m.group = compute
         log.info("tensor parallel: %d ranks (%d on this node), backend %s", tp, rdv.local_world,
                  _compute_backend(loaded.device))
@@ -312,7 +316,7 @@ class TensorParallel:
     def make_runner(self, model, backend, manager, device, kv_spec) -> "TPModelRunner":
         """Rank 0's runner; the workers build the same KV cache (their share of the heads) from kv_spec."""
         with self.guard():
-            self._send(("init", kv_spec))
+            self._send(("init", kv_spec, exact_mode()))
             errs = [None] * self.size
             dist.all_gather_object(errs, None, group=self.control)
         bad = [(r, e) for r, e in enumerate(errs) if e]
@@ -337,6 +341,8 @@ class TensorParallel:
             raise TensorParallelError(self.failed)
         try:
             yield
+        except TensorParallelError:
+            raise  # an inner guard has diagnosed it
         except Exception as e:
             self.failed = self._diagnose(e)
             self.shutdown()
@@ -382,3 +388,7 @@ class TPModelRunner(ModelRunner):
             self.tp._send(("step", p))
             self.tp.stats.steps += 1
             return super().run_plan(p)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        with self.tp.guard():
+            return super().logits(hidden, rows)

@@ -1,6 +1,7 @@
-"""Tensor-parallel sharding of a loaded Decoder, from outside: heads and MLP columns split, one all-reduce each."""
+"""Tensor-parallel sharding of a loaded Decoder, from outside: heads, MLP and vocabulary split across ranks."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -49,43 +50,117 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                        intermediate_size=cfg.intermediate_size // tp)
 
 
+def exact_mode() -> bool:
+    """Whether the attention output and MLP down projections keep TP 1's bits (KVINFER_TP_EXACT, default 1).
+
+    Exact: the projection's input is all-gathered and each rank computes whole output values for its share of the
+    outputs, then those are all-gathered (2 all-gathers). Off: Megatron's row-parallel split, each rank a partial
+    sum over its inputs and one all-reduce: half the collectives, but the sum's other order changes last bits,
+    which the quantized kernels' int16 rounding of activations then amplifies (~1e-3 in logprobs, same tokens).
+    """
+    return os.environ.get("KVINFER_TP_EXACT", "1") != "0"
+
+
 @dataclass
 class CommStats:
-    """Time rank 0 spends in the forward's all-reduces and in sending each step's plan."""
+    """Time rank 0 spends in the forward's collectives, the logits gather and sending each step's plan."""
 
-    allreduce_s: float = 0.0
+    allreduce_s: float = 0.0  # the decoder layers' collectives (all-reduces, or all-gathers in exact mode)
     allreduce_calls: int = 0
     allreduce_bytes: int = 0
+    head_s: float = 0.0  # gathering the vocabulary slices of the logits to rank 0
     broadcast_s: float = 0.0
     steps: int = 0
+    collective: str = "all-reduce"  # what allreduce_* count: "all-reduce" or "all-gather"
 
     def reset(self) -> None:
-        self.allreduce_s = self.broadcast_s = 0.0
+        self.allreduce_s = self.head_s = self.broadcast_s = 0.0
         self.allreduce_calls = self.allreduce_bytes = self.steps = 0
 
 
-class RowParallel(nn.Module):
-    """y = all_reduce(x_r @ W_r^T) + b: rank r holds the input columns of its own heads or MLP slice."""
+class CollectiveModule(nn.Module):
+    """A sharded module whose forward runs a collective on `group` (set once the ranks have met)."""
 
-    def __init__(self, inner: nn.Module, bias: Optional[torch.Tensor], group, stats: CommStats):
+    def __init__(self, group, stats: CommStats):
         super().__init__()
-        self.inner = inner  # no bias of its own: added once, after the sum
-        self.register_buffer("bias", bias)
         self.group = group
         self.stats = stats
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)  # [tokens, out]: this rank's partial sum
+    def _timed(self, y: torch.Tensor, op) -> float:
         if y.device.type == "cuda":
             torch.cuda.synchronize(y.device)  # time the collective, not the queued GEMM before it
         t0 = time.perf_counter()
-        dist.all_reduce(y, group=self.group)
+        op()
         if y.device.type == "cuda":
             torch.cuda.synchronize(y.device)
-        self.stats.allreduce_s += time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, k] on every rank -> [tokens, tp * k], rank 0's columns first."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+        self.stats.allreduce_s += self._timed(x, lambda: dist.all_gather(parts, x, group=self.group))
+        self.stats.allreduce_calls += 1
+        self.stats.allreduce_bytes += x.numel() * x.element_size() * len(parts)
+        return torch.cat(parts, dim=-1)
+
+
+class RowParallel(CollectiveModule):
+    """y = all_reduce(x_r @ W_r^T) + b: rank r holds the input columns of its own heads or MLP slice."""
+
+    def __init__(self, inner: nn.Module, bias: Optional[torch.Tensor], group, stats: CommStats):
+        super().__init__(group, stats)
+        self.inner = inner  # no bias of its own: added once, after the sum
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)  # [tokens, out]: this rank's partial sum
+        self.stats.allreduce_s += self._timed(y, lambda: dist.all_reduce(y, group=self.group))
         self.stats.allreduce_calls += 1
         self.stats.allreduce_bytes += y.numel() * y.element_size()
         return y if self.bias is None else y + self.bias
+
+
+class GatherParallel(CollectiveModule):
+    """y = all_gather(all_gather(x_r) @ W_r^T + b_r): TP 1's bits, since each output value is computed whole.
+
+    Rank r holds the input columns x_r of its heads or MLP slice, and output rows [r*per, (r+1)*per) of W (the last
+    rank fewer when tp does not divide them; padded for the gather). No partial sums, so no split of a GGUF block.
+    """
+
+    def __init__(self, inner: nn.Module, out_features: int, group, stats: CommStats):
+        super().__init__(group, stats)
+        self.inner = inner
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(self._all_gather(x))  # [tokens, my rows], from the whole input row
+        per = -(-self.out_features // dist.get_world_size(self.group))
+        if y.shape[-1] < per:
+            y = torch.nn.functional.pad(y, (0, per - y.shape[-1]))
+        return self._all_gather(y)[:, :self.out_features]
+
+
+class VocabParallelHead(CollectiveModule):
+    """The LM head over rank r's vocabulary rows; rank 0 gathers every slice: [tokens, vocab] there, the slice
+    elsewhere (only rank 0 samples). Each logit is computed whole, as at TP 1."""
+
+    def __init__(self, inner: nn.Module, vocab: int, rank: int, group, stats: CommStats):
+        super().__init__(group, stats)
+        self.inner = inner
+        self.vocab, self.rank = vocab, rank
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.inner(h).float()  # [tokens, my vocabulary rows]
+        tp = dist.get_world_size(self.group)
+        per = -(-self.vocab // tp)
+        if y.shape[-1] < per:
+            y = torch.nn.functional.pad(y, (0, per - y.shape[-1]))
+        y = y.contiguous()
+        parts = [torch.empty_like(y) for _ in range(tp)] if self.rank == 0 else None
+        # dst is a global rank: the engine's rank 0, a member of every group
+        self.stats.head_s += self._timed(y, lambda: dist.gather(y, parts, dst=0, group=self.group))
+        return torch.cat(parts, dim=-1)[:, :self.vocab] if self.rank == 0 else y
 
 
 def _take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
@@ -136,15 +211,40 @@ def _take_cols(m: nn.Module, k0: int, k1: int, name: str, group, stats: CommStat
     return RowParallel(inner, bias, group, stats)
 
 
-def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group, stats: CommStats) -> nn.Module:
-    """Shard a loaded Decoder in place for rank `rank` of `tp` (Megatron-style; embedding and LM head replicated).
+def _row_range(m: nn.Module, r0: int, r1: int) -> nn.Module:
+    """Output rows [r0, r1) of a linear as a view where it can be (a tied head's rows are the embedding's bytes)."""
+    if isinstance(m, QuantLinear):
+        q = QuantLinear(m.raw[r0:r1], m.qtype, (r1 - r0, m.in_features),
+                        None if m.bias is None else m.bias[r0:r1].clone(), kernel_max_rows=m.kernel_max_rows,
+                        keep_dequantized=m.keep_dequantized)
+        if m._weight is not None:
+            q._weight = m._weight[r0:r1]
+        return q
+    w = m.weight.detach()[r0:r1]
+    bias = None if getattr(m, "bias", None) is None else m.bias.detach()[r0:r1]
+    return KernelLinear(w, bias) if isinstance(m, KernelLinear) else _float_linear(m, w, bias)
 
-    Attention: the fused QKV keeps the rows of this rank's query heads and KV heads (column-parallel), the output
-    projection the matching input columns (row-parallel, one all-reduce). When there are fewer KV heads than
-    ranks, rank r keeps KV head r // (tp / kv_heads): KV heads are replicated, as vLLM does. MLP: gate-up (or up)
-    column-parallel, down row-parallel, one all-reduce.
+
+def shard_lm_head(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group, stats: CommStats) -> None:
+    """Vocabulary-parallel LM head: rank r computes the logits of vocabulary rows [r*per, (r+1)*per)."""
+    head = model.lm_head if model.lm_head is not None else model.embed  # tied, float: the embedding's matrix
+    per = -(-cfg.vocab_size // tp)
+    r0, r1 = min(rank * per, cfg.vocab_size), min((rank + 1) * per, cfg.vocab_size)
+    model.lm_head = VocabParallelHead(_row_range(head, r0, r1), cfg.vocab_size, rank, group, stats)
+
+
+def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group, stats: CommStats,
+                  exact: Optional[bool] = None) -> nn.Module:
+    """Shard a loaded Decoder in place for rank `rank` of `tp` (Megatron-style; the embedding stays replicated).
+
+    Attention: the fused QKV keeps the rows of this rank's query heads and KV heads (column-parallel). When there
+    are fewer KV heads than ranks, rank r keeps KV head r // (tp / kv_heads): KV heads are replicated, as vLLM
+    does. MLP: gate-up (or up) column-parallel. The attention output and MLP down projections: exact (default,
+    see exact_mode) or row-parallel with one all-reduce each. LM head: vocabulary-parallel, gathered to rank 0.
     """
     check_tp_size(cfg, tp)
+    exact = exact_mode() if exact is None else exact
+    stats.collective = "all-gather" if exact else "all-reduce"
     hd, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     h_loc = h // tp
     kv_loc = kv_heads_per_rank(cfg, tp)
@@ -156,12 +256,19 @@ def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group,
     def ar(*ranges):  # row indices of several [start, end) ranges, in order
         return torch.cat([torch.arange(a, b) for a, b in ranges])
 
+    def second(m: nn.Module, k0: int, k1: int, name: str) -> nn.Module:  # the projection after the split one
+        if not exact:
+            return _take_cols(m, k0, k1, name, group, stats)
+        per = -(-m.out_features // tp)
+        o0, o1 = min(rank * per, m.out_features), min((rank + 1) * per, m.out_features)
+        return GatherParallel(_take_rows(m, torch.arange(o0, o1)), m.out_features, group, stats)
+
     for i, layer in enumerate(model.layers):
         a = layer.attn
         qkv_rows = ar((q0, q0 + h_loc * hd), (cfg.q_size + kv0, cfg.q_size + kv0 + kv_loc * hd),
                       (cfg.q_size + cfg.kv_size + kv0, cfg.q_size + cfg.kv_size + kv0 + kv_loc * hd))
         a.qkv = _take_rows(a.qkv, qkv_rows)
-        a.o = _take_cols(a.o, q0, q0 + h_loc * hd, f"layer {i} attention output", group, stats)
+        a.o = second(a.o, q0, q0 + h_loc * hd, f"layer {i} attention output")
         a.num_heads, a.num_kv_heads = h_loc, kv_loc
         a.q_size, a.kv_size = h_loc * hd, kv_loc * hd
         mlp = layer.mlp
@@ -170,8 +277,8 @@ def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group,
             mlp.inter = i_loc
         else:
             mlp.up = _take_rows(mlp.up, ar((i0, i0 + i_loc)))
-        mlp.down = _take_cols(mlp.down, i0, i0 + i_loc, f"layer {i} MLP down", group, stats)
+        mlp.down = second(mlp.down, i0, i0 + i_loc, f"layer {i} MLP down")
     if getattr(model, "alibi", None) is not None:
         model.alibi = model.alibi[rank * h_loc:(rank + 1) * h_loc].clone()  # this rank's heads' slopes
+    shard_lm_head(model, cfg, rank, tp, group, stats)
     return model
-
