@@ -130,9 +130,52 @@ def test_bench_reports_the_allreduce_share(capsys):
     assert c["allreduce_ms"] == pytest.approx(150.0) and c["allreduce_share"] == pytest.approx(0.3)
     assert c["step_ms"] == pytest.approx(500.0) and c["allreduce_calls"] == 60
     _print_tp(c)
-    assert "tensor parallel 3: all-reduce 150.00 ms per step (60 calls, 135.0 KiB) of 500.00 ms = 30.0%" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tensor parallel 3: all-reduce 150.00 ms per step (60 calls, 135.0 KiB) of 500.00 ms = 30.0%" in out
+    # 150 + 10 ms of 500 communicate in 62 collectives; at 10 us each: 340 ms of compute + 0.62 ms
+    assert "outlook: 32.0% of this step is communication (62 collectives, 2.58 ms each)" in out
+    assert "would spend 0.62 ms in them: 340.62 ms instead of 500.00 ms" in out
     assert _tp_comm(SimpleNamespace(tp=None), 1.0) is None
+
+
+def test_simulator_tp_cost_term():
+    from kvinfer.config import preset_config
+    from kvinfer.lab import simulate as sim
+    from kvinfer.request import Request
+    from kvinfer.sampling_params import SamplingParams
+    from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+
+    smol = preset_config("smollm2-135m")  # 30 layers, hidden 576, MLP 1536, vocab 49152
+    base = sim.CostModel(0.01, 3e-3, 6e-3, 9e-6)
+    r = Request("a", [1] * 20, SamplingParams(max_tokens=4))
+    out = SchedulerOutput([ScheduledSeq(r, 19, 1), ScheduledSeq(r, 0, 12)])  # 13 tokens, 1 decode, 1 sampled row
+    exact = sim.TPCost(base, 3, smol, latency_s=1e-3, bandwidth=1e9)
+    moved = (576 + 576 + 1536 + 576) * 2 / 3 * 13 * 30 + 49152 * 2 / 3  # values each rank receives
+    assert exact.comm_time(out) == pytest.approx(121 * 1e-3 + moved * 4 / 1e9)
+    assert exact.step_time(out) == pytest.approx(0.01 + (3e-3 * 13 + 6e-3 + 9e-6 * 32) / 3 + exact.comm_time(out))
+    reduce = sim.TPCost(base, 3, smol, latency_s=1e-3, bandwidth=1e9, exact=False)
+    assert reduce.comm_time(out) == pytest.approx(61 * 1e-3 + ((576 * 2) * 2 * 2 / 3 * 13 * 30 + 49152 * 2 / 3) * 4e-9)
+    assert sim.TPCost(base, 1, smol).comm_time(out) == 0.0
+    # KV memory is per rank: one of the 3 KV heads each, so 3x the blocks (10 blocks of bfloat16 at TP 1)
+    trace, memory = [sim.TraceRequest(0.0, 40, 4)], 30 * 2 * 3 * 64 * 2 * 16 * 10
+    one = sim.simulate(trace, smol, sim.SimConfig(kv_cache_memory=memory), base)
+    three = sim.simulate(trace, smol, sim.SimConfig(kv_cache_memory=memory, tp=3), exact)
+    assert (one.capacity, three.capacity) == ("10 blocks of 16 tokens", "30 blocks of 16 tokens")
+
+
+def test_simulate_cli_tp(capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    argv = ["simulate", "--model", "smollm2-135m", "--synthetic", "4", "--no-compare", "--json"]
+    assert main(argv + ["-tp", "3", "--tp-latency", "10", "--tp-bandwidth", "100"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "tensor parallel 3" in r["cost_model"]["source"] and "at 10 us" in r["cost_model"]["source"]
+    assert r["results"]["paged"]["completed"] == 4
+    assert main(argv + ["-tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sizes that work for this model: 1, 3" in err
 
 
 # ---- every family, sharded, against the unsharded model (one 3-rank gloo job) ---------------------------
@@ -317,14 +360,26 @@ def test_killed_worker_gives_503_and_the_server_exits_nonzero(tiny_dir):
 # ---- CUDA / NCCL ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
-def test_nccl_tp2_matches_tp1(tiny_dir):
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+@pytest.mark.parametrize("exact", ["1", "0"])
+def test_nccl_tp2_matches_tp1(tiny_dir, monkeypatch, exact):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("KVINFER_TP_EXACT", exact)  # the spawned rank inherits it
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     kw = dict(dtype="float32", device="cuda", kv_cache_memory=4 << 20)
     ref = LLM(tiny_dir, **kw).generate([prompt], params, use_tqdm=False)
     llm = LLM(tiny_dir, tensor_parallel_size=2, **kw)
     try:
+        tp = llm.engine.tp
+        assert dist.get_backend(tp.compute) == "nccl" and llm.engine.loaded.device.type == "cuda"
+        head = llm.engine.loaded.model.lm_head
+        assert type(head).__name__ == "VocabParallelHead" and head.inner.weight.is_cuda
         out = llm.generate([prompt], params, use_tqdm=False)
+        assert tp.stats.head_s > 0 and tp.stats.allreduce_calls > 0
     finally:
         llm.close()
-    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    a, b = ref[0].outputs[0], out[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    # cuBLAS picks its kernels by shape, so even the exact route is not bitwise on CUDA
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

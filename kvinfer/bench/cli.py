@@ -116,23 +116,40 @@ def _threads() -> int:
 
 
 def _tp_comm(engine, wall_s: float):
-    """Rank 0's all-reduce time per step and its share of the step, over the measured run (None without TP)."""
+    """Rank 0's collective time per step and its share of the step, over the measured run (None without TP)."""
     tp = engine.tp
     if tp is None or not tp.stats.steps:
         return None
     s = tp.stats
-    return dict(tp=tp.size, steps=s.steps, step_ms=wall_s / s.steps * 1e3,
+    return dict(tp=tp.size, steps=s.steps, step_ms=wall_s / s.steps * 1e3, collective=s.collective,
                 allreduce_ms=s.allreduce_s / s.steps * 1e3, allreduce_calls=s.allreduce_calls / s.steps,
                 allreduce_bytes=s.allreduce_bytes / s.steps, allreduce_share=s.allreduce_s / wall_s,
+                head_ms=s.head_s / s.steps * 1e3, head_share=s.head_s / wall_s,
                 broadcast_ms=s.broadcast_s / s.steps * 1e3, broadcast_share=s.broadcast_s / wall_s)
 
 
+# A collective between GPUs of one node over NVLink with NCCL: ~10 us for the few KiB of a decode step.
+NVLINK_LATENCY_S = 10e-6
+
+
 def _print_tp(c) -> None:
-    if c:
-        print(f"  tensor parallel {c['tp']}: all-reduce {c['allreduce_ms']:.2f} ms per step "
-              f"({c['allreduce_calls']:.0f} calls, {c['allreduce_bytes'] / 1024:.1f} KiB) of {c['step_ms']:.2f} ms "
-              f"= {c['allreduce_share'] * 100:.1f}% of the step; plan broadcast {c['broadcast_ms']:.2f} ms "
-              f"({c['broadcast_share'] * 100:.1f}%); {c['steps']} steps")
+    if not c:
+        return
+    print(f"  tensor parallel {c['tp']}: {c.get('collective', 'all-reduce')} {c['allreduce_ms']:.2f} ms per step "
+          f"({c['allreduce_calls']:.0f} calls, {c['allreduce_bytes'] / 1024:.1f} KiB) of {c['step_ms']:.2f} ms "
+          f"= {c['allreduce_share'] * 100:.1f}% of the step; logits gather {c.get('head_ms', 0.0):.2f} ms "
+          f"({c.get('head_share', 0.0) * 100:.1f}%); plan broadcast {c['broadcast_ms']:.2f} ms "
+          f"({c['broadcast_share'] * 100:.1f}%); {c['steps']} steps")
+    # The rest of the step is the ranks' compute (here: N ranks taking turns on the machine's cores). With a core
+    # set or a GPU per rank that compute runs side by side, and the collectives cost what the link costs.
+    calls = c["allreduce_calls"] + 2  # + the logits gather and the plan broadcast
+    comm_ms = c["allreduce_ms"] + c.get("head_ms", 0.0) + c["broadcast_ms"]
+    compute_ms = max(c["step_ms"] - comm_ms, 0.0)
+    link_ms = calls * NVLINK_LATENCY_S * 1e3
+    print(f"  outlook: {comm_ms / c['step_ms'] * 100:.1f}% of this step is communication ({calls:.0f} collectives, "
+          f"{comm_ms / calls:.2f} ms each); the same step over a {NVLINK_LATENCY_S * 1e6:.0f} us link "
+          f"(NCCL, NVLink) would spend {link_ms:.2f} ms in them: {compute_ms + link_ms:.2f} ms instead of "
+          f"{c['step_ms']:.2f} ms, and less again where each rank has its own cores or GPU")
 
 
 def cmd_decode(args) -> int:

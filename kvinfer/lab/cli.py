@@ -115,6 +115,15 @@ def register(sub) -> None:
     s.add_argument("--fit-clock", default="wall", choices=("wall", "cpu"),
                    help="--fit times steps by wall clock (default) or by this process's CPU time, which other "
                         "processes cannot inflate (use with --threads 1 on a shared machine)")
+    s.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tp", type=_positive_int("--tensor-parallel-size"),
+                   default=1, help="simulate N tensor-parallel ranks: b, c, d split N ways plus each step's "
+                                   "collectives; --kv-cache-memory is per rank (default 1)")
+    s.add_argument("--tp-latency", type=float, default=None,
+                   help="microseconds per collective under -tp (default: gloo on loopback as measured here)")
+    s.add_argument("--tp-bandwidth", type=float, default=None,
+                   help="GB/s per rank under -tp (default: gloo on loopback as measured here)")
+    s.add_argument("--tp-allreduce", action="store_true",
+                   help="-tp with 2 all-reduces per layer (KVINFER_TP_EXACT=0) instead of the exact 4 all-gathers")
     s.add_argument("--no-compare", action="store_true", help="skip the contiguous comparison run")
     s.add_argument("--out", default=None, help="directory for a per-request CSV and a KV-use plot (default: none)")
     s.add_argument("--json", action="store_true", help="print JSON")
@@ -165,6 +174,20 @@ def cmd_plan(args) -> int:
 
 
 # ---- simulate ----------------------------------------------------------------------------------
+def _tp_cost(sim, cost, mc, args):
+    from kvinfer.errors import ValidationError
+    from kvinfer.lab.plan import kv_heads_per_device
+
+    kv_heads_per_device(mc, args.tp)  # the engine's head-count rule: a one-line error naming the sizes that work
+    latency = sim.GLOO_LOOPBACK_LATENCY_S if args.tp_latency is None else args.tp_latency * 1e-6
+    bandwidth = sim.GLOO_LOOPBACK_BANDWIDTH if args.tp_bandwidth is None else args.tp_bandwidth * 1e9
+    if not latency >= 0 or latency == float("inf"):
+        raise ValidationError("tp_latency", args.tp_latency, "must be a finite number of microseconds >= 0")
+    if not 0 < bandwidth < float("inf"):
+        raise ValidationError("tp_bandwidth", args.tp_bandwidth, "must be a finite number of GB/s > 0")
+    return sim.TPCost(cost, args.tp, mc, latency, bandwidth, exact=not args.tp_allreduce)
+
+
 def cmd_simulate(args) -> int:
     from kvinfer.lab import simulate as sim
     from kvinfer.lab.plan import resolve_model_config
@@ -193,6 +216,8 @@ def cmd_simulate(args) -> int:
     else:
         cost = sim.parse_cost_model(args.cost_model).scaled_to(mc)
         samples = None
+    if args.tp > 1:
+        cost = _tp_cost(sim, cost, mc, args)
     if args.trace:
         trace = sim.load_trace(args.trace)
         trace_label = f"{args.trace} ({len(trace)} requests, seed {args.seed})"
@@ -205,7 +230,7 @@ def cmd_simulate(args) -> int:
                         block_size=args.block_size, max_model_len=max_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed)
+                        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed, tp=args.tp)
     runs = sim.run_simulation(trace, mc, cfg, cost, compare_contiguous=not args.no_compare)
     report = dict(model=label, dtype=args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                   kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,

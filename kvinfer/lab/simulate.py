@@ -77,6 +77,72 @@ FITTED = CostModel(
 )
 
 
+# Gloo on loopback, measured by `python -m kvinfer.parallel.measure 3` on the 2-core EPYC, load ~8 (README): the
+# start-up cost of one collective and the bytes/s beyond it. NCCL over NVLink is ~10 us and ~100+ GB/s.
+GLOO_LOOPBACK_LATENCY_S = 1.1e-3
+GLOO_LOOPBACK_BANDWIDTH = 0.32e9
+
+
+@dataclass(frozen=True)
+class TPCost:
+    """A TP 1 cost model under tensor parallelism N: per-token, per-sequence and attention work (b, c, d) split N
+    ways (the per-step overhead a is not), plus the step's collectives at `latency_s` each and `bandwidth` bytes/s
+    per rank, counted as the engine runs them: per layer 4 all-gathers (exact, the default) or 2 all-reduces
+    (KVINFER_TP_EXACT=0), then one gather of the sampled rows' vocabulary slices to rank 0."""
+
+    base: CostModel
+    tp: int
+    cfg: ModelConfig
+    latency_s: float = GLOO_LOOPBACK_LATENCY_S
+    bandwidth: float = GLOO_LOOPBACK_BANDWIDTH  # bytes/s
+    exact: bool = True
+    dtype_bytes: int = 4  # activations: float32 on CPU
+
+    @property
+    def a(self) -> float:
+        return self.base.a
+
+    @property
+    def b(self) -> float:
+        return self.base.b / self.tp
+
+    @property
+    def c(self) -> float:
+        return self.base.c / self.tp
+
+    @property
+    def d(self) -> float:
+        return self.base.d / self.tp
+
+    @property
+    def source(self) -> str:
+        route = "4 all-gathers" if self.exact else "2 all-reduces"
+        return (f"{self.base.source}; tensor parallel {self.tp}: b, c, d / {self.tp}, plus {route} per layer and a "
+                f"logits gather at {self.latency_s * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.3g} GB/s each")
+
+    def comm_time(self, out: SchedulerOutput) -> float:
+        """Seconds of one step's collectives (ring algorithms: each rank moves (N-1)/N of an all-gather's result,
+        twice that for an all-reduce)."""
+        if self.tp == 1:
+            return 0.0
+        c, n = self.cfg, out.num_batched_tokens
+        share = (self.tp - 1) / self.tp
+        if self.exact:
+            per_layer = [c.q_size, c.hidden_size, c.intermediate_size, c.hidden_size]
+            moved = sum(per_layer) * share
+        else:
+            per_layer = [c.hidden_size, c.hidden_size]
+            moved = sum(per_layer) * 2 * share
+        rows = sum(1 for s in out.scheduled if s.end >= s.request.num_tokens)  # sampled rows
+        calls = len(per_layer) * c.num_layers + (1 if rows else 0)
+        nbytes = (moved * n * c.num_layers + rows * c.vocab_size * share) * self.dtype_bytes
+        return calls * self.latency_s + nbytes / self.bandwidth
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        one, n, dec, ctx = CostModel.features(out)
+        return self.a * one + self.b * n + self.c * dec + self.d * ctx + self.comm_time(out)
+
+
 def parse_cost_model(text: str) -> CostModel:
     """'fitted' or 'a,b,c,d' (seconds; missing trailing coefficients are 0)."""
     if text == "fitted":
@@ -296,6 +362,7 @@ class SimConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    tp: int = 1  # tensor parallel: kv_cache_memory is per rank, each rank holds its share of the KV heads
 
 
 @dataclass
@@ -337,6 +404,8 @@ class SimResult:
 
 
 def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
+    if cfg.tp > 1:  # the engine's rule (kvinfer.parallel): KV heads split, or one replicated when fewer than ranks
+        mc = mc.replace(num_kv_heads=max(1, mc.num_kv_heads // cfg.tp))
     if cfg.kv_cache_dtype == "auto":
         bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
     else:
