@@ -121,6 +121,12 @@ class RowParallel(CollectiveModule):
         return y if self.bias is None else y + self.bias
 
 
+def _padded(y: torch.Tensor, total: int, group) -> torch.Tensor:
+    """A rank's share of `total` outputs, zero-padded to the first ranks' ceil(total / tp): gathers need equal sizes."""
+    per = -(-total // dist.get_world_size(group))
+    return y if y.shape[-1] == per else torch.nn.functional.pad(y, (0, per - y.shape[-1]))
+
+
 class GatherParallel(CollectiveModule):
     """y = all_gather(all_gather(x_r) @ W_r^T + b_r): TP 1's bits, since each output value is computed whole.
 
@@ -135,10 +141,7 @@ class GatherParallel(CollectiveModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(self._all_gather(x))  # [tokens, my rows], from the whole input row
-        per = -(-self.out_features // dist.get_world_size(self.group))
-        if y.shape[-1] < per:
-            y = torch.nn.functional.pad(y, (0, per - y.shape[-1]))
-        return self._all_gather(y)[:, :self.out_features]
+        return self._all_gather(_padded(y, self.out_features, self.group))[:, :self.out_features]
 
 
 class VocabParallelHead(CollectiveModule):
@@ -151,13 +154,8 @@ class VocabParallelHead(CollectiveModule):
         self.vocab, self.rank = vocab, rank
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        y = self.inner(h).float()  # [tokens, my vocabulary rows]
-        tp = dist.get_world_size(self.group)
-        per = -(-self.vocab // tp)
-        if y.shape[-1] < per:
-            y = torch.nn.functional.pad(y, (0, per - y.shape[-1]))
-        y = y.contiguous()
-        parts = [torch.empty_like(y) for _ in range(tp)] if self.rank == 0 else None
+        y = _padded(self.inner(h).float(), self.vocab, self.group).contiguous()  # [tokens, my vocabulary rows]
+        parts = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))] if self.rank == 0 else None
         # dst is a global rank: the engine's rank 0, a member of every group
         self.stats.head_s += self._timed(y, lambda: dist.gather(y, parts, dst=0, group=self.group))
         return torch.cat(parts, dim=-1)[:, :self.vocab] if self.rank == 0 else y
