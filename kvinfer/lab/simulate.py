@@ -20,7 +20,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class SimulationError(KvinferError):
-    """The simulated engine can make no progress (e.g. a prompt larger than the token budget without chunking)."""
+    """The simulated engine can make no progress (a scheduler bug: the scheduler's tests say it never stalls)."""
 
 
 # ---- the step-time cost model -------------------------------------------------------------------
@@ -469,8 +469,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
                 continue
             raise SimulationError(
                 f"the scheduler can make no progress at t={now:.3f} s with {len(sched.waiting)} waiting and "
-                f"{len(sched.running)} running requests (is a prompt longer than max_num_batched_tokens="
-                f"{cfg.max_num_batched_tokens} with chunked prefill off?)")
+                f"{len(sched.running)} running requests (a scheduler bug: please report the trace)")
         dt = cost.step_time(out)
         used = total - manager.num_free_blocks
         in_step = {s.request.request_id for s in out.scheduled}
