@@ -208,7 +208,7 @@ def _fit_max_tokens(engine, params, num_prompt_tokens: int):
 def _kv_summary(engine, num_tokens: int) -> str:
     from kvinfer.utils import format_bytes
 
-    if engine.config.kv_cache == "none":
+    if not engine.kv_manager.keeps_kv:
         return "no KV cache (every step recomputes the whole context)"
     return (f"KV cache in use {format_bytes(num_tokens * engine.kv_bytes_per_token)} "
             f"of {format_bytes(engine.kv_cache.nbytes)} reserved ({engine.config.kv_cache})")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvinfer.errors import RequestTooLargeError, ValidationError
+from kvinfer.kv.interface import KVManager
 from kvinfer.request import Request, RequestStatus
 
 
@@ -54,7 +55,7 @@ class Scheduler:
     of the waiting queue so it resumes before newer requests.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv_manager):
+    def __init__(self, cfg: SchedulerConfig, kv_manager: KVManager):
         self.cfg = cfg
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()

@@ -59,7 +59,7 @@ def assert_engine_clean(engine):
     engine.check_integrity()
     m = engine.kv_manager
     assert not engine.has_unfinished_requests()
-    assert m.num_free_blocks == m.num_total_blocks, f"{m.num_total_blocks - m.num_free_blocks} blocks still in use"
+    assert m.num_free_units == m.num_units, f"{m.num_units - m.num_free_units} {m.unit_name}s still in use"
 
 
 def generate_checked(model_dir, prompts, params, **kw):

@@ -163,7 +163,7 @@ def _no_allocation(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("allocated after all")
 
-    for name in ("load_model", "make_cache"):
+    for name in ("load_model", "make_kv"):
         monkeypatch.setattr(llm_engine, name, boom)
     return llm_engine
 
@@ -226,7 +226,7 @@ def test_no_cache_summary_does_not_claim_a_reserve():
 
     from kvinfer.cli import _kv_summary
 
-    line = _kv_summary(SimpleNamespace(config=SimpleNamespace(kv_cache="none")), 100)
+    line = _kv_summary(SimpleNamespace(kv_manager=SimpleNamespace(keeps_kv=False)), 100)
     assert "no KV cache" in line and "reserved" not in line  # was "765 KiB of 0 B reserved"
 
 

@@ -314,7 +314,7 @@ def cmd_throughput(args) -> int:
     ours = dict(name="kvinfer", seconds=secs, tps=gen / secs, rps=len(work) / secs, generated=gen,
                 prompt_tokens=prompt_tokens, ttft_mean=sum(ttft) / len(ttft), ttft_p99=percentile(ttft, 99),
                 tpot_mean=sum(t for t in tpot if t) / max(1, sum(1 for t in tpot if t)), tpot_p99=percentile(tpot, 99),
-                peak_blocks=eng.stats["peak_blocks"], total_blocks=eng.kv_manager.num_total_blocks,
+                peak_blocks=eng.stats["peak_blocks"], total_blocks=eng.kv_manager.num_units,
                 kv_dtype=eng.kv_dtype, kv_bytes_per_token=eng.kv_bytes_per_token,
                 kv_utilisation=util, preemptions=eng.scheduler.num_preemptions,
                 peak_rss=rss_peak, weights_bytes=weights, kv_bytes=kv_budget,

@@ -131,9 +131,7 @@ def _in_thread(fn, *args):
 
 
 def _reset_prefix_cache(engine) -> None:
-    pool = getattr(engine.kv_manager, "pool", None)
-    if pool is not None:
-        pool.reset_prefix_cache()
+    engine.kv_manager.reset_prefix_cache()
 
 
 def _best(rows: list[dict]) -> dict:

@@ -434,11 +434,11 @@ class AsyncLLMEngine:
     def _snapshot(self) -> None:
         eng = self.engine
         kv = eng.kv_manager
-        pool = getattr(kv, "pool", None)
+        hits, queries = kv.prefix_cache_stats()
         self._stats = EngineStats(
             running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
-            kv_blocks_used=kv.num_total_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_total_blocks,
-            prefix_cache_hits=getattr(pool, "num_hits", 0), prefix_cache_queries=getattr(pool, "num_queries", 0),
+            kv_blocks_used=kv.num_units - kv.num_free_units, kv_blocks_total=kv.num_units,
+            prefix_cache_hits=hits, prefix_cache_queries=queries,
             preemptions=eng.scheduler.num_preemptions, prompt_tokens=eng.stats["prompt_tokens"],
             generation_tokens=eng.stats["generation_tokens"], steps=eng.stats["steps"], kv_dtype=eng.kv_dtype,
             kv_bytes_per_token=eng.kv_bytes_per_token,

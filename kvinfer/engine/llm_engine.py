@@ -9,12 +9,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvinfer.config import EngineConfig, ModelConfig, kv_scale_bytes
+from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvinfer.errors import ModelLoadError, RequestTooLargeError, ValidationError
-from kvinfer.kv.cache import make_cache
-from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
+from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
 from kvinfer.request import Request, RequestStatus
@@ -79,33 +78,6 @@ def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     return n
 
 
-def kv_bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
-    if config.kv_cache != "none" and config.kv_cache_dtype != "auto":
-        # 8-bit values and a float32 scale per token, kv head and K or V
-        return mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
-    return mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-
-
-def kv_layout(config: EngineConfig, bytes_per_token: int, max_model_len: int, budget: int) -> tuple[int, int]:
-    """(blocks or slots, bytes) the KV cache gets from `budget`; raises if not even one fits."""
-    if config.kv_cache == "paged":
-        block = bytes_per_token * config.block_size
-        count = budget // block
-        if count < 1:
-            raise ValidationError("kv_cache_memory", budget,
-                                  f"too small for one block of {config.block_size} tokens ({block} bytes)")
-        return count, count * block
-    if config.kv_cache == "contiguous":
-        per_slot = bytes_per_token * max_model_len
-        count = min(budget // per_slot, config.max_num_seqs)
-        if count < 1:
-            raise ValidationError("kv_cache_memory", budget,
-                                  f"too small for one contiguous slot of max_model_len={max_model_len} "
-                                  f"tokens ({format_bytes(per_slot)})")
-        return count, count * per_slot
-    return 0, 0
-
-
 def _weight_bytes(config: EngineConfig, src: ModelSource, device: torch.device, dtype: torch.dtype) -> int:
     """About the peak bytes of loading the weights."""
     if src.kind == "gguf" and config.quantization != "none" and device.type == "cpu" and dtype == torch.float32:
@@ -123,7 +95,8 @@ def check_startup(config: EngineConfig) -> ModelSource:
     check_source(config, src)
     mc = src.config
     max_len = resolve_max_model_len(config, mc)
-    _, kv_bytes = kv_layout(config, kv_bytes_per_token(config, mc, dtype), max_len, _kv_budget(config))
+    _, kv_bytes = kv_layout(config.kv_cache, kv_bytes_per_token(config, mc, dtype), config.block_size, max_len,
+                            config.max_num_seqs, _kv_budget(config))
     weight_bytes = _weight_bytes(config, src, device, dtype)
     free = available_memory(device)
     where = "GPU memory free" if device.type == "cuda" else "memory available"
@@ -170,28 +143,15 @@ class LLMEngine:
             from kvinfer.parallel import local_config
 
             kv_cfg = local_config(mc, config.tensor_parallel_size)  # also checks the head counts
-        kv_dtype = config.kv_cache_dtype if config.kv_cache != "none" else "auto"  # `none` keeps no K/V
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cfg, dtype)
-        self.kv_dtype = kv_dtype if kv_dtype != "auto" else str(dtype).replace("torch.", "")
-        kind = config.kv_cache
-        count, _ = kv_layout(config, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config))
-        if kind == "paged":
-            self.kv_manager = PagedKVManager(count, config.block_size, config.enable_prefix_caching)
-        elif kind == "contiguous":
-            self.kv_manager = SlotManager(count, self.max_model_len)
-        else:
-            self.kv_manager = NullManager()
-        kv_spec = (kind, mc.num_layers, count, config.block_size, kv_cfg.num_kv_heads, self.max_model_len,
-                   mc.head_dim, dtype, device, kv_dtype)
-        self.kv_cache = make_cache(*kv_spec)
-        if mc.position == "alibi":
-            self.kv_cache.alibi = self.loaded.model.alibi
-        self.kv_cache.sliding_window = mc.sliding_window
-        cap = self.kv_manager.token_capacity
-        log.info("KV cache: %s, %s, %s (%s per token, %d %s, token capacity %d)", kind, self.kv_dtype,
-                 format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
-                 self.kv_manager.num_total_blocks,
-                 f"blocks of {config.block_size}" if kind == "paged" else "slots", cap)
+        kv_spec = spec_for(config, kv_cfg, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config), dtype,
+                           device)
+        self.kv_dtype = kv_spec.kv_dtype if kv_spec.kv_dtype != "auto" else str(dtype).replace("torch.", "")
+        self.kv_manager, self.kv_cache = make_kv(kv_spec, alibi=getattr(self.loaded.model, "alibi", None))
+        m = self.kv_manager
+        log.info("KV cache: %s, %s, %s (%s per token, %d %ss of %d tokens, token capacity %d)", m.kind,
+                 self.kv_dtype, format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
+                 m.num_units, m.unit_name, m.unit_tokens, m.token_capacity)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
         if config.tensor_parallel_size == 1:
@@ -233,10 +193,7 @@ class LLMEngine:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
-        limit = self.max_model_len
-        if self.kv_manager.kind == "paged":
-            limit = min(limit, self.kv_manager.token_capacity)
-        return limit - num_prompt_tokens
+        return min(self.max_model_len, self.kv_manager.max_request_tokens) - num_prompt_tokens
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
@@ -276,7 +233,7 @@ class LLMEngine:
                 r.grammar = grammar if i == 0 else grammar.deep_copy()
             reqs.append(r)
         self.scheduler.check_fits(reqs[0])
-        share = params.n > 1 and self.kv_manager.kind == "paged"
+        share = params.n > 1 and self.kv_manager.can_fork
         for i, r in enumerate(reqs):
             if share and i > 0:
                 r.fork_parent = reqs[0]
@@ -336,12 +293,13 @@ class LLMEngine:
         if sched.scheduled:
             logits, sampled = self.runner.execute(sched)
             self.scheduler.update_after_step(sched)
-            if self.kv_manager.kind == "paged":
-                used = self.kv_manager.pool.num_used_blocks
+            m = self.kv_manager
+            if m.keeps_kv:
+                used = m.num_units - m.num_free_units
                 self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-                # KV utilisation: tokens held in the cache over the capacity of the blocks allocated.
+                # KV utilisation: tokens held in the cache over the capacity of the units (blocks, slots) allocated.
                 self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
-                self.stats["util_capacity"] += used * self.kv_manager.block_size
+                self.stats["util_capacity"] += used * m.unit_tokens
             for s in sched.scheduled:
                 if s.start < s.request.num_prompt_tokens:
                     self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
@@ -505,12 +463,10 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """Blocks used/total and tokens stored vs the capacity of the blocks in use."""
         m = self.kv_manager
-        used = m.num_total_blocks - m.num_free_blocks
+        used = m.num_units - m.num_free_units
         stored = sum(r.num_computed_tokens for r in self.scheduler.running)
-        cap = used * self.config.block_size if m.kind == "paged" else used * self.max_model_len
-        return dict(blocks_used=used, blocks_total=m.num_total_blocks, tokens_stored=stored, tokens_capacity=cap,
-                    bytes_in_use=used * (self.config.block_size if m.kind == "paged" else self.max_model_len)
-                    * self.kv_bytes_per_token)
+        return dict(blocks_used=used, blocks_total=m.num_units, tokens_stored=stored,
+                    tokens_capacity=used * m.unit_tokens, bytes_in_use=used * m.unit_tokens * self.kv_bytes_per_token)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvinfer.kv.cache import SeqSlice
+from kvinfer.kv.interface import SeqSlice, decodes_first
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -42,22 +42,18 @@ class ModelRunner:
                 self._fused = FusedDecode(self.model, self.backend)
         return self._fused
 
-    def _order(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, ScheduledSeq]]:
-        """(what to compute, the scheduled seq it belongs to), single-token decodes first: the backends batch them
-        into one attention call. A verification of proposed tokens is one decode row per token (same block table,
-        context one longer each), so each row gets the arithmetic it would get decoding alone, and the fused
-        decode step can run it."""
-        dec, rest = [], []
+    def _rows(self, scheduled: list[ScheduledSeq]) -> list[tuple[SeqSlice, ScheduledSeq]]:
+        """(the manager's view of what to compute, the scheduled seq it belongs to), laid out by `decodes_first`.
+        A verification of proposed tokens is one decode row per token (same block table, context one longer
+        each), so each row gets the arithmetic it would get decoding alone, and the fused decode step can run it;
+        a backend that keeps no KV recomputes it whole instead."""
+        rows = []
         for s in scheduled:
-            if self.backend.name == "none":  # recompute from the first token
-                rest.append((ScheduledSeq(s.request, 0, s.end, s.spec_token_ids), s))
-            elif s.spec_token_ids:
-                dec += [(ScheduledSeq(s.request, s.start + j, 1, s.spec_token_ids), s) for j in range(s.num_new_tokens)]
-            elif s.num_new_tokens == 1 and s.start > 0:
-                dec.append((s, s))
+            if s.spec_token_ids and self.manager.keeps_kv:
+                rows += [(self.manager.seq_slice(s.request, s.start + j, 1), s) for j in range(s.num_new_tokens)]
             else:
-                rest.append((s, s))
-        return dec + rest
+                rows.append((self.manager.seq_slice(s.request, s.start, s.num_new_tokens), s))
+        return decodes_first(rows, lambda row: row[0])
 
     def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq]]:
         """The step's model input as plain data, the rows to sample and the scheduled seqs they belong to.
@@ -66,24 +62,19 @@ class ModelRunner:
         token, then after each proposed token."""
         p = StepPlan([], [], [], list(out.block_copies or ()))
         sample_rows, sampled = [], []
-        for s, orig in self._order(out.scheduled):
+        for v, s in self._rows(out.scheduled):
             req = s.request
-            known = min(s.end, req.num_tokens)
-            p.input_ids += req.token_slice(s.start, known)
-            if s.end > known:  # proposed tokens follow the known ones
-                p.input_ids += s.spec_token_ids[max(s.start, known) - req.num_tokens:s.end - req.num_tokens]
-            p.positions += range(s.start, s.end)
-            if self.backend.name == "paged":
-                p.slices.append(SeqSlice(s.start, s.num_new_tokens, block_table=self.manager.get_block_table(req)))
-            elif self.backend.name == "contiguous":
-                p.slices.append(SeqSlice(s.start, s.num_new_tokens, slot=self.manager.get_slot(req)))
-            else:
-                p.slices.append(SeqSlice(s.start, s.num_new_tokens))
-            if s.end >= req.num_tokens:  # every known token computed: the rows from the last known one on
+            known = min(v.end, req.num_tokens)
+            p.input_ids += req.token_slice(v.start, known)
+            if v.end > known:  # proposed tokens follow the known ones
+                p.input_ids += s.spec_token_ids[max(v.start, known) - req.num_tokens:v.end - req.num_tokens]
+            p.positions += range(v.start, v.end)
+            p.slices.append(v)
+            if v.end >= req.num_tokens:  # every known token computed: the rows from the last known one on
                 n = len(p.input_ids)
-                sample_rows += range(n - (s.end - max(s.start, req.num_tokens - 1)), n)
-                if not sampled or sampled[-1] is not orig:
-                    sampled.append(orig)
+                sample_rows += range(n - (v.end - max(v.start, req.num_tokens - 1)), n)
+                if not sampled or sampled[-1] is not s:
+                    sampled.append(s)
         p.sample_rows = sample_rows
         return p, sample_rows, sampled
 

@@ -1,7 +1,6 @@
 """KV cache tensors of each backend (none, contiguous, paged) and the per-step attention metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -9,21 +8,8 @@ import torch
 
 from kvinfer import kernels
 from kvinfer.config import kv_scale_bytes
+from kvinfer.kv.interface import SeqSlice, is_decode, leading_decodes
 from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
-
-
-@dataclass
-class SeqSlice:
-    """One sequence's part of a step, as the runner hands it to a backend."""
-
-    start: int  # tokens already in the cache
-    num_new: int  # tokens computed this step
-    block_table: Optional[Sequence[int]] = None  # paged
-    slot: Optional[int] = None  # contiguous
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -36,10 +22,6 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _is_decode(s: SeqSlice) -> bool:
-    return s.num_new == 1 and s.start > 0
-
-
 class _Backend:
     """What the three backends share: K/V accounting and the choice of the attention kernel.
 
@@ -49,7 +31,8 @@ class _Backend:
     long prompts, but a row's bits then depend on how it is served).
     """
 
-    name = "?"
+    name = "?"  # for messages
+    block_pools = False  # K/V as [num_blocks, block_size, kv_heads, head_dim] pools (what the fused decode writes)
     sliding_window: Optional[int] = None
     alibi: Optional[torch.Tensor] = None
     use_kernel = True  # tests switch it off to compare with the SDPA path
@@ -82,7 +65,7 @@ class _Backend:
         if not seqs or not (self.use_kernel or self.quantized):  # an 8-bit cache is read by the kernel alone
             return False
         return self._kernel_usable() and (kernels.batch_invariant() or self.quantized
-                                          or all(_is_decode(s) for s in seqs))
+                                          or all(is_decode(s) for s in seqs))
 
     def _alloc(self, shape) -> None:
         """Per-layer K and V of `shape` (an 8-bit cache: int8 / e4m3 values plus a float32 scale per row)."""
@@ -106,7 +89,7 @@ class _Backend:
             tok_seq += [i] * s.num_new
             tok_pos += range(s.start, s.end)
         return KernelAttn(tables, torch.tensor(tok_seq, dtype=torch.long), torch.tensor(tok_pos, dtype=torch.long),
-                          block_size, num_blocks, all(_is_decode(s) for s in seqs))
+                          block_size, num_blocks, all(is_decode(s) for s in seqs))
 
     def _kernel_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """(keys, values, (block, token, head) strides in floats, kv heads) the kernel reads for this layer."""
@@ -189,10 +172,8 @@ class NoCache(_Backend):
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):
-    """Single-token decodes are batched into one group (they must come first); others go alone."""
-    n_dec = 0
-    while n_dec < len(seqs) and seqs[n_dec].num_new == 1 and seqs[n_dec].start > 0:
-        n_dec += 1
+    """The step's leading decodes (kv.interface.decodes_first put them there) batch into one group; others go alone."""
+    n_dec = leading_decodes(seqs)
     groups = [list(seqs[:n_dec])] if n_dec else []
     groups += [[s] for s in seqs[n_dec:]]
     return groups
@@ -267,6 +248,7 @@ class PagedCache(_Backend):
     """
 
     name = "paged"
+    block_pools = True
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype="auto"):
         super().__init__(num_layers, device, dtype, kv_dtype)
@@ -351,12 +333,3 @@ class PagedCache(_Backend):
         for t in self.k + self.v + self.k_scale + self.v_scale:
             t[dst] = t[src]
 
-
-def make_cache(kind: str, num_layers: int, count: int, block_size: int, num_kv_heads: int, max_len: int,
-               head_dim: int, dtype, device, kv_dtype: str = "auto") -> _Backend:
-    """The backend `kind` with `count` blocks (paged) or slots (contiguous); num_kv_heads is this rank's share."""
-    if kind == "paged":
-        return PagedCache(num_layers, count, block_size, num_kv_heads, head_dim, dtype, device, kv_dtype)
-    if kind == "contiguous":
-        return ContiguousCache(num_layers, count, num_kv_heads, max_len, head_dim, dtype, device, kv_dtype)
-    return NoCache(num_layers, device, dtype)

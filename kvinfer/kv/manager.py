@@ -1,10 +1,14 @@
-"""KV managers: which cache memory each request owns (paged blocks, contiguous slots, or none)."""
+"""KV managers: which cache memory each request owns (paged blocks, contiguous slots, or none), as `KVManager`s."""
 from __future__ import annotations
 
 from typing import Sequence
 
 from kvinfer.kv.block_pool import BlockPool, hash_block
+from kvinfer.kv.interface import SeqSlice
 from kvinfer.request import Request
+
+# Block states in a paged snapshot, one small int per block so a map of thousands of blocks stays a few KB.
+FREE, CACHED_FREE, OWNED, SHARED = 0, 1, 2, 3
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,9 +19,12 @@ class PagedKVManager:
     """Block tables per request over a shared BlockPool, with prefix caching and copy-on-write forks."""
 
     kind = "paged"
+    keeps_kv = True
+    can_fork = True
+    unit_name = "block"
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
-        self.block_size = block_size
+        self.block_size = self.unit_tokens = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[bytes]] = {}
@@ -31,12 +38,14 @@ class PagedKVManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    num_units = num_total_blocks
+    num_free_units = num_free_blocks
+
     @property
     def token_capacity(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def max_tokens_per_request(self) -> int:
-        return self.token_capacity
+    max_request_tokens = token_capacity
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """The longest cached prefix of full blocks; at least one token is always left to compute."""
@@ -129,6 +138,45 @@ class PagedKVManager:
     def get_block_table(self, req: Request) -> list[int]:
         return self.block_tables[req.request_id]
 
+    def seq_slice(self, req: Request, start: int, num_new: int) -> SeqSlice:
+        return SeqSlice(start, num_new, block_table=self.block_tables[req.request_id])
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.pool.num_hits, self.pool.num_queries
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def snapshot(self, seqs: Sequence[Request]) -> tuple[dict, list[dict]]:
+        """Per block: state, owner (index into seqs: the oldest holder of a shared block; -1 none), ref count and
+        tokens held (a request's last block is partly empty: the only memory paging still wastes)."""
+        pool, bs = self.pool, self.block_size
+        n = pool.num_blocks
+        owner, fill = [-1] * n, [0] * n
+        for i, r in enumerate(seqs):  # running first, oldest first: a shared prefix block takes its first holder
+            for j, b in enumerate(self.block_tables.get(r.request_id, ())):
+                if owner[b] < 0:
+                    owner[b] = i
+                fill[b] = max(fill[b], min(max(r.num_computed_tokens - j * bs, 0), bs))
+        state, refs = [FREE] * n, [0] * n
+        for blk in pool.blocks:
+            b, rc = blk.block_id, blk.ref_cnt
+            refs[b] = rc
+            if rc > 1:
+                state[b] = SHARED
+            elif rc == 1:
+                state[b] = OWNED
+            elif blk.block_hash is not None and pool.cached.get(blk.block_hash) == b:
+                state[b] = CACHED_FREE  # free, yet a request with the same prefix would still find it
+        fields = {"block_size": bs, "blocks": {"state": state, "owner": owner, "refs": refs, "fill": fill},
+                  "blocks_shared": state.count(SHARED), "blocks_cached_free": state.count(CACHED_FREE),
+                  "tokens_stored": sum(fill), "tokens_allocated": pool.num_used_blocks * bs}
+        return fields, [{"block_table": list(self.block_tables.get(r.request_id, ()))} for r in seqs]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -150,20 +198,18 @@ class SlotManager:
     """The textbook cache: each request reserves one max-length slot for its whole life."""
 
     kind = "contiguous"
+    keeps_kv = True
+    prefix_caching = can_fork = False
+    unit_name = "slot"
 
     def __init__(self, num_slots: int, max_len: int):
-        self.num_slots = num_slots
-        self.max_len = max_len
+        self.num_slots = self.num_units = num_slots
+        self.max_len = self.unit_tokens = self.max_request_tokens = max_len
         self.free_slots = list(range(num_slots))
         self.slot_of: dict[str, int] = {}
-        self.pool = None
 
     @property
-    def num_total_blocks(self) -> int:
-        return self.num_slots
-
-    @property
-    def num_free_blocks(self) -> int:
+    def num_free_units(self) -> int:
         return len(self.free_slots)
 
     @property
@@ -189,14 +235,35 @@ class SlotManager:
             self.free_slots.append(slot)
             self.free_slots.sort()
 
+    def fork(self, parent: Request, child: Request) -> None:
+        raise NotImplementedError("a contiguous slot cannot be shared")
+
     def take_copies(self):
         return []
 
-    def get_slot(self, req: Request) -> int:
-        return self.slot_of[req.request_id]
-
     def can_ever_fit(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_len and self.num_slots > 0
+
+    def seq_slice(self, req: Request, start: int, num_new: int) -> SeqSlice:
+        return SeqSlice(start, num_new, slot=self.slot_of[req.request_id])
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return 0, 0
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def snapshot(self, seqs: Sequence[Request]) -> tuple[dict, list[dict]]:
+        """Per slot: its owner (index into seqs, -1 none), tokens used, tokens reserved (always max_len)."""
+        index = {r.request_id: i for i, r in enumerate(seqs)}
+        by_slot = {s: rid for rid, s in self.slot_of.items()}
+        slots = []
+        for s in range(self.num_slots):
+            i = index.get(by_slot.get(s), -1)
+            slots.append({"slot": s, "owner": i, "used_tokens": seqs[i].num_computed_tokens if i >= 0 else 0,
+                          "reserved_tokens": self.max_len})
+        fields = {"slots": slots, "tokens_allocated": (self.num_slots - len(self.free_slots)) * self.max_len}
+        return fields, [{"slot": self.slot_of.get(r.request_id)} for r in seqs]
 
     def check_integrity(self) -> None:
         used = list(self.slot_of.values())
@@ -208,10 +275,10 @@ class NullManager:
     """No cache: nothing to allocate, every step recomputes every sequence."""
 
     kind = "none"
-    num_total_blocks = 0
-    num_free_blocks = 0
-    token_capacity = 0
-    pool = None
+    keeps_kv = prefix_caching = can_fork = False
+    unit_name = "slot"
+    unit_tokens = num_units = num_free_units = token_capacity = 0
+    max_request_tokens = 1 << 62  # only the context window limits a request
 
     def get_computed_blocks(self, req):
         return [], 0
@@ -225,11 +292,26 @@ class NullManager:
     def trim(self, req, num_tokens: int) -> None:
         pass
 
+    def fork(self, parent, child) -> None:
+        raise NotImplementedError("the none backend has no cache to share")
+
     def take_copies(self):
         return []
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return True
+
+    def seq_slice(self, req, start: int, num_new: int) -> SeqSlice:
+        return SeqSlice(0, start + num_new)  # recompute from the first token
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return 0, 0
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def snapshot(self, seqs) -> tuple[dict, list[dict]]:
+        return {"tokens_allocated": 0}, [{} for _ in seqs]
 
     def check_integrity(self) -> None:
         pass

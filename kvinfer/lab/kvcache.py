@@ -132,8 +132,8 @@ def run_backend(loaded, base: EngineConfig, backend: str, prompt_ids: Sequence[i
 
     def schedule():
         out = orig_schedule()
-        if engine.kv_manager.kind == "paged":
-            used_blocks[0] = engine.kv_manager.pool.num_used_blocks  # what this step's request holds
+        m = engine.kv_manager
+        used_blocks[0] = m.num_units - m.num_free_units  # what this step's request holds
         return out
 
     engine.scheduler.schedule = schedule

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 from kvinfer.config import ModelConfig, kv_scale_bytes
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
-from kvinfer.kv.manager import PagedKVManager, SlotManager
+from kvinfer.kv.factory import kv_layout, make_manager
 from kvinfer.request import Request
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -410,19 +410,14 @@ def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
         bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
     else:
         bpt = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
-    if cfg.kv_cache == "paged":
-        num_blocks = cfg.kv_cache_memory // (bpt * cfg.block_size)
-        if num_blocks < 1:
-            raise ValidationError("kv_cache_memory", cfg.kv_cache_memory,
-                                  f"too small for one block of {cfg.block_size} tokens "
-                                  f"({format_bytes(bpt * cfg.block_size)})")
-        m = PagedKVManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        return m, f"{num_blocks} blocks of {cfg.block_size} tokens"
-    if cfg.kv_cache == "contiguous":
-        # The engine's rule: as many max-length slots as the budget holds, at most max_num_seqs.
-        slots = min(cfg.kv_cache_memory // (bpt * max_len), cfg.max_num_seqs)
-        return SlotManager(slots, max_len), f"{slots} slots of {max_len} tokens"
-    raise ValidationError("kv_cache", cfg.kv_cache, "the simulator runs paged or contiguous")
+    # The engine's rule (as many blocks, or max-length slots up to max_num_seqs, as the budget holds), except
+    # that a contiguous cache without a single slot is shown rejecting every request.
+    count, _ = kv_layout(cfg.kv_cache, bpt, cfg.block_size, max_len, cfg.max_num_seqs, cfg.kv_cache_memory,
+                         allow_no_slot=True)
+    m = make_manager(cfg.kv_cache, count, cfg.block_size, max_len, cfg.enable_prefix_caching)
+    if not m.keeps_kv:
+        raise ValidationError("kv_cache", cfg.kv_cache, "the simulator runs paged or contiguous")
+    return m, f"{m.num_units} {m.unit_name}s of {m.unit_tokens} tokens"
 
 
 def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cost: CostModel) -> SimResult:
@@ -442,7 +437,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
     timeline: list[tuple[float, float, int]] = []
     busy = util_area = tok_area = 0.0
     util_peak = 0.0
-    total = manager.num_total_blocks
+    total = manager.num_units
 
     while nxt < len(order) or sched.num_unfinished:
         while nxt < len(order) and trace[order[nxt]].arrival <= now:
@@ -471,11 +466,11 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
                 f"the scheduler can make no progress at t={now:.3f} s with {len(sched.waiting)} waiting and "
                 f"{len(sched.running)} running requests (a scheduler bug: please report the trace)")
         dt = cost.step_time(out)
-        used = total - manager.num_free_blocks
+        used = total - manager.num_free_units
         in_step = {s.request.request_id for s in out.scheduled}
         stored = sum(s.end for s in out.scheduled) + sum(
             r.num_computed_tokens for r in sched.running if r.request_id not in in_step)
-        held_tokens = used * (cfg.block_size if cfg.kv_cache == "paged" else max_len)
+        held_tokens = used * manager.unit_tokens
         util = used / total if total else 0.0
         busy += dt
         util_area += util * dt

@@ -21,7 +21,7 @@ from kvinfer.layers.quant_linear import QuantLinear
 def unsupported_reason(model, backend) -> Optional[str]:
     """None when FusedDecode can run this model's decode steps on this backend, else why not."""
     cfg = model.cfg
-    if backend.name != "paged":
+    if not backend.block_pools:
         return f"the {backend.name} backend (paged only)"
     if backend.device.type != "cpu" or (backend.k[0].dtype != torch.float32 and not backend.quantized):
         return "KV cache neither float32 nor 8-bit on CPU"

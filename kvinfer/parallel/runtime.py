@@ -20,7 +20,7 @@ import torch.distributed as dist
 from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner, StepPlan
 from kvinfer.errors import KvinferError, ValidationError
-from kvinfer.kv.cache import make_cache
+from kvinfer.kv.factory import make_cache
 from kvinfer.parallel.shard import CommStats, CollectiveModule, check_tp_size, exact_mode, local_config, shard_decoder
 
 log = logging.getLogger("kvinfer")
@@ -186,12 +186,8 @@ def run_worker(config: EngineConfig, rdv: Rendezvous, rank: int) -> int:
 
 
 def _worker_runner(loaded, kv_spec) -> ModelRunner:
-    spec = list(kv_spec)
-    spec[8] = loaded.device  # this rank's device (its own GPU under NCCL)
-    cache = make_cache(*spec)
-    cache.sliding_window = loaded.config.sliding_window
-    if loaded.config.position == "alibi":
-        cache.alibi = loaded.model.alibi
+    # This rank's device (its own GPU under NCCL) and its shard's ALiBi slopes.
+    cache = make_cache(dataclasses.replace(kv_spec, device=loaded.device), alibi=getattr(loaded.model, "alibi", None))
     runner = ModelRunner(loaded.model, cache, None, loaded.device)
     runner.use_fused_decode = False
     return runner

@@ -7,8 +7,7 @@ from typing import Sequence
 import torch
 
 from kvinfer.engine.model_runner import ModelRunner
-from kvinfer.kv.cache import PagedCache
-from kvinfer.kv.manager import PagedKVManager
+from kvinfer.kv.factory import KVSpec, make_kv
 from kvinfer.request import Request
 from kvinfer.sampler import draw, filter_probs
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
@@ -33,12 +32,9 @@ class DraftProposer:
     def __init__(self, loaded, num_blocks: int, block_size: int, sliding_window=None):
         mc = loaded.config
         self.loaded = loaded
-        self.manager = PagedKVManager(num_blocks, block_size, enable_caching=False)
-        self.cache = PagedCache(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-                                loaded.dtype, loaded.device)
-        if mc.position == "alibi":
-            self.cache.alibi = loaded.model.alibi
-        self.cache.sliding_window = mc.sliding_window
+        spec = KVSpec("paged", mc.num_layers, num_blocks, block_size, mc.num_kv_heads, 0, mc.head_dim, loaded.dtype,
+                      loaded.device, enable_prefix_caching=False, sliding_window=mc.sliding_window)
+        self.manager, self.cache = make_kv(spec, alibi=getattr(loaded.model, "alibi", None))
         self.runner = ModelRunner(loaded.model, self.cache, self.manager, loaded.device)
         self.shadows: dict[str, _Shadow] = {}
 
