@@ -14,7 +14,7 @@ LAYERS = {
     4: ["engine"],
     5: ["server", "cli", "bench", "lab"],
 }
-TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "request", "sampling_params", "errors", "config",
+TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "kv.interface", "request", "sampling_params", "errors", "config",
               "spec.ngram", "spec.speculator"]
 
 
