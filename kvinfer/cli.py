@@ -38,6 +38,23 @@ def int_at_least(name: str, lo: int = 1, hi: int = INT_MAX):
     return parse
 
 
+def float_above(name: str, lo: float = 0.0, inclusive: bool = False):
+    """An argparse type: a finite number > lo (>= lo when inclusive)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if v < lo or (v == lo and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo:g}, got {v:g}")
+        return v
+
+    parse.__name__ = name
+    return parse
+
+
 def seed_int(name: str):
     return int_at_least(name, 0, SEED_MAX)
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from kvinfer.cli import int_at_least as _positive_int
-from kvinfer.cli import THREADS_MAX, seed_int
+from kvinfer.cli import THREADS_MAX, float_above, seed_int
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -118,9 +118,9 @@ def register(sub) -> None:
     s.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tp", type=_positive_int("--tensor-parallel-size"),
                    default=1, help="simulate N tensor-parallel ranks: b, c, d split N ways plus each step's "
                                    "collectives; --kv-cache-memory is per rank (default 1)")
-    s.add_argument("--tp-latency", type=float, default=None,
+    s.add_argument("--tp-latency", type=float_above("--tp-latency", inclusive=True), default=None,
                    help="microseconds per collective under -tp (default: gloo on loopback as measured here)")
-    s.add_argument("--tp-bandwidth", type=float, default=None,
+    s.add_argument("--tp-bandwidth", type=float_above("--tp-bandwidth"), default=None,
                    help="GB/s per rank under -tp (default: gloo on loopback as measured here)")
     s.add_argument("--tp-allreduce", action="store_true",
                    help="-tp with 2 all-reduces per layer (KVINFER_TP_EXACT=0) instead of the exact 4 all-gathers")
