@@ -194,6 +194,16 @@ def test_auto_passes_calls_through_and_streams_them(srv, client):
     assert r.choices[0].finish_reason == "stop" and "<tool_call>" in r.choices[0].message.content
 
 
+def test_tokenize_renders_tools_as_chat_does(srv, client):
+    msgs = ask("Weather in Oslo?")
+    r = client.chat.completions.create(model=srv.model_name, messages=msgs, tools=TOOLS, max_tokens=1)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with_tools = c.post("/tokenize", json={"messages": msgs, "tools": TOOLS}).json()
+        plain = c.post("/tokenize", json={"messages": msgs}).json()
+        assert_error_shape(c.post("/tokenize", json={"prompt": "x", "tools": TOOLS}), 400, "tools")
+    assert with_tools["count"] == r.usage.prompt_tokens > plain["count"]
+
+
 def _joined_stream(client, **kw):
     """content, {index: {name, arguments}} and finish_reason from a streamed chat completion."""
     content, calls, finish = "", {}, None

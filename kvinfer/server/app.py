@@ -302,9 +302,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
     tok = srv.need_tokenizer()
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if body.tools and body.messages is None:
+        raise APIError(400, "tools need messages (they are rendered through the chat template)", param="tools")
     if body.messages is not None:
-        text = tok.apply_chat_template(messages_for_template(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt is not False)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        messages, extra = template_messages(messages_for_template(body.messages), body.messages, tools,
+                                            tok.chat_template)
+        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                       **extra)
         ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)

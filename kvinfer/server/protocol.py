@@ -235,6 +235,7 @@ class TokenizeRequest(_Body):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS)  # rendered as the chat endpoint does
     add_special_tokens: Optional[bool] = None  # default: true for prompt, false for messages (the template has them)
     add_generation_prompt: Optional[bool] = True
     return_token_strs: Optional[bool] = False
