@@ -95,6 +95,44 @@ static inline vf vf_load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* ---- 8-bit KV cache reads ---- */
+typedef __m256i vs; /* 16 int16 lanes */
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(int32_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+/* Lane r: the sum of v[r]'s 8 lanes (exact integers, so the order is free). */
+static inline vi vi_hsum8x8(const int32_t *v) {
+    const __m256i h01 = _mm256_hadd_epi32(vi_load(v), vi_load(v + 8)), h23 = _mm256_hadd_epi32(vi_load(v + 16), vi_load(v + 24));
+    const __m256i h45 = _mm256_hadd_epi32(vi_load(v + 32), vi_load(v + 40)), h67 = _mm256_hadd_epi32(vi_load(v + 48), vi_load(v + 56));
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Lane r: ((v[r]0 + v[r]1) + (v[r]2 + v[r]3)) + ((v[r]4 + v[r]5) + (v[r]6 + v[r]7)) for 8 vectors at v. */
+static inline vf vf_hsum8x8(const float *v) {
+    const __m256 h01 = _mm256_hadd_ps(vf_load(v), vf_load(v + 8)), h23 = _mm256_hadd_ps(vf_load(v + 16), vf_load(v + 24));
+    const __m256 h45 = _mm256_hadd_ps(vf_load(v + 32), vf_load(v + 40)), h67 = _mm256_hadd_ps(vf_load(v + 48), vf_load(v + 56));
+    const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* 8 int8 values of two rows interleaved as int16: a0 b0 a1 b1 ... a7 b7. */
+static inline vs vs_pair_i8(const int8_t *a, const int8_t *b) {
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+
+/* Lane r: x[2r] * w[0] + x[2r + 1] * w[1] (w: two int16 in one int32), exact. */
+static inline vi vs_madd_pair(vs x, int32_t w) { return _mm256_madd_epi16(x, _mm256_set1_epi32(w)); }
+
+/* 8 fp8 e4m3 values times 2^-8, exact: with the sign moved to bit 15, an e4m3 code shifted left by 7 is the fp16
+ * of its value times 2^-8 (exponent biases 7 and 15), subnormals included. */
+static inline vf vf_load_e4m3(const uint8_t *p) {
+    const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xbf80)));
+}
+
 /* 32 int16 values of a quantised weight block, elements 0-15 in lo and 16-31 in hi. */
 typedef struct { __m256i lo, hi; } q32;
 
@@ -177,6 +215,50 @@ static inline float vf_hmax(vf v) {
 static inline vf vf_load_half(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_half(p[_l])); return r; }
 static inline vf vf_load_bf16(const uint16_t *p) { vf r; KVQ_L8(r.v[_l] = kvq_bf16(p[_l])); return r; }
 static inline vf vf_load_i8(const int8_t *p) { vf r; KVQ_L8(r.v[_l] = (float)p[_l]); return r; }
+
+typedef struct { int16_t v[16]; } vs;
+static inline vi vi_zero(void) { vi r; KVQ_L8(r.v[_l] = 0); return r; }
+static inline vi vi_add(vi a, vi b) { KVQ_L8(a.v[_l] = (int32_t)((uint32_t)a.v[_l] + (uint32_t)b.v[_l])); return a; }
+static inline vi vi_load(const int32_t *p) { vi r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline void vi_store(int32_t *p, vi v) { memcpy(p, v.v, sizeof v.v); }
+
+static inline vi vi_hsum8x8(const int32_t *v) {
+    vi r;
+    for (int i = 0; i < 8; i++) {
+        uint32_t t = 0;
+        for (int l = 0; l < 8; l++) t += (uint32_t)v[8 * i + l];
+        r.v[i] = (int32_t)t;
+    }
+    return r;
+}
+
+static inline vf vf_hsum8x8(const float *v) {
+    vf r;
+    for (int i = 0; i < 8; i++) {
+        const float *l = v + 8 * i;
+        r.v[i] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    }
+    return r;
+}
+
+static inline vs vs_pair_i8(const int8_t *a, const int8_t *b) {
+    vs r;
+    for (int i = 0; i < 8; i++) r.v[2 * i] = a[i], r.v[2 * i + 1] = b[i];
+    return r;
+}
+
+static inline vi vs_madd_pair(vs x, int32_t w) {
+    const int32_t w0 = (int16_t)(uint16_t)((uint32_t)w & 0xffff), w1 = (int16_t)(uint16_t)((uint32_t)w >> 16);
+    vi r;
+    KVQ_L8(r.v[_l] = x.v[2 * _l] * w0 + x.v[2 * _l + 1] * w1);
+    return r;
+}
+
+static inline vf vf_load_e4m3(const uint8_t *p) {
+    vf r;
+    KVQ_L8(r.v[_l] = kvq_half((uint16_t)(((uint16_t)(int16_t)(int8_t)p[_l] << 7) & 0xbf80)));
+    return r;
+}
 
 typedef struct { int16_t q[32]; } q32;
 
