@@ -69,6 +69,7 @@ OWN = {
     "bench structured": {"--requests": ["0"], "--tokens": ["1", "nan"], "--rounds": ["0"]},
     "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"]},
     "bench exact": {"--prompts": ["1", HUGE], "--tokens": ["0", "nan"]},
+    "bench kv-attention": {"--context": ["15", HUGE], "--calls": ["0"], "--rounds": ["0", "nan"], "--threads": ["0"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
                     "--rounds": ["0", "nan"]},
     "lab kvcache": {"--tokens": ["0", HUGE], "--prompt-tokens": ["0"], "--backends": ["fast", ","],

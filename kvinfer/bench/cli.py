@@ -73,11 +73,13 @@ def register(sub) -> None:
     t.add_argument("--num-requests", type=int_at_least("--num-requests"), default=64,
                    help="requests in the workload (default 64)")
     t.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
-    t.add_argument("--compare", type=_peers("transformers", "llama.cpp", "llama-server", "no-invariance"),
+    t.add_argument("--compare", type=_peers("transformers", "llama.cpp", "llama-server", "no-invariance", "kv-int8",
+                                            "kv-fp8"),
                    default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
                         "time), llama-server (llama.cpp's HTTP server, parallel slots), no-invariance (kvinfer "
-                        "itself with KVINFER_BATCH_INVARIANT=0), none (default transformers)")
+                        "itself with KVINFER_BATCH_INVARIANT=0), kv-int8 / kv-fp8 (kvinfer itself with "
+                        "--kv-cache-dtype int8 / fp8 at the same --kv-cache-memory), none (default transformers)")
     t.add_argument("--llama-server", metavar="PATH", default=None,
                    help="llama.cpp server binary for --compare llama-server (default $LLAMA_SERVER, else "
                         "llama-server on PATH)")
@@ -92,6 +94,9 @@ def register(sub) -> None:
     from kvinfer.bench.structured import register_structured
 
     register_exact(bs)
+    from kvinfer.bench.kv_attention import register_kv_attention
+
+    register_kv_attention(bs)
     from kvinfer.bench.spec import register_spec
 
     register_spec(bs)
@@ -346,6 +351,18 @@ def cmd_throughput(args) -> int:
                 peer_llm.close()
             g2 = sum(len(o.outputs[0].token_ids) for o in o2)
             rows.append(dict(name=NO_INVARIANCE, seconds=s2, tps=g2 / s2, generated=g2))
+        elif peer in ("kv-int8", "kv-fp8"):  # the same engine and budget with an 8-bit cache
+            import dataclasses
+
+            peer_llm = LLM(config=dataclasses.replace(cfg, kv_cache_dtype=peer[3:]))
+            _, o2, s2 = run(peer_llm)
+            pe = peer_llm.engine
+            g2 = sum(len(o.outputs[0].token_ids) for o in o2)
+            rows.append(dict(name=f"kvinfer, --kv-cache-dtype {peer[3:]}", seconds=s2, tps=g2 / s2, generated=g2,
+                             kv_dtype=pe.kv_dtype, preemptions=pe.scheduler.num_preemptions,
+                             peak_blocks=pe.stats["peak_blocks"], total_blocks=pe.kv_manager.num_total_blocks))
+            peer_llm.close()
+            del peer_llm, pe
         elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_static_batches
 
@@ -392,9 +409,15 @@ def cmd_throughput(args) -> int:
     if args.json:
         print(json.dumps(dict(threads=_threads(), requests=len(work), rows=rows), indent=2, default=str))
         return 0
-    print(f"{'engine':<42}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}")
+    print(f"{'engine':<42}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}{'KV blocks':>11}{'preemptions':>13}")
     for r in rows:
-        print(f"{r['name']:<42}{r['tps']:>10.1f}{r['seconds']:>9.1f}{r['kvinfer_vs_this']:>16.2f}x")
+        kv = (f"{r['total_blocks']:>11}{r['preemptions']:>13}" if "preemptions" in r else "")
+        print(f"{r['name']:<42}{r['tps']:>10.1f}{r['seconds']:>9.1f}{r['kvinfer_vs_this']:>16.2f}x{kv}")
+    for r in rows[1:]:
+        if "preemptions" in r:
+            print(f"{r['kv_dtype']} KV vs {ours['kv_dtype']} KV at {format_bytes(kv_budget)}: "
+                  f"{r['tps'] / ours['tps']:.2f}x the generated tokens/s, {r['preemptions']} vs "
+                  f"{ours['preemptions']} preemptions, {r['total_blocks']} vs {ours['total_blocks']} blocks")
     for r in rows:
         if r.get("command"):
             print(f"{r['name']}: {r['command']}")
