@@ -125,6 +125,19 @@ def test_attention_over_8bit_pools_matches_float_attention_on_the_same_values(kv
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_8bit_attention_with_alibi_and_a_sliding_window(kv_dtype):
+    from kvinfer.layers.alibi import alibi_slopes
+
+    q, pools, (kd, vd), tables, tok_seq, tok_pos, kw = _pools_case(kv_dtype, 6, 2, 64)
+    extra = dict(alibi_slopes=alibi_slopes(6), sliding_window=50)  # windows start inside a 256-position piece
+    lib = kernels.active()
+    got = _attend(lib, q, pools, tables, tok_seq, tok_pos, kw, kv_dtype, **extra)
+    want = lib.attention(q, kd, vd, tables, tok_seq, tok_pos, **kw, **extra)
+    tol = 2e-3 if kv_dtype == "int8" else 2e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_8bit_attention_is_the_same_bits_on_every_level_alone_or_batched(kv_dtype):
     levels = [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
     assert len(levels) >= 2
@@ -237,9 +250,12 @@ def test_fidelity_against_the_float32_cache(engines):
               f"divergence {agreed}/{total} ({agreed / total * 100:.1f}%), mean |logprob diff| "
               f"{sum(diffs) / len(diffs):.4f}, perplexity {p:.4f} vs {p_ref:.4f} ({(p / p_ref - 1) * 100:+.2f}%)")
         # Teacher-forced quality is the contract (perplexity within 1%); free-running greedy text of a 135M model
-        # drifts at near-ties, so the continuation figures are reported and only guarded against collapse.
+        # drifts at near-ties (rotating whole heads instead of groups of 32 gave int8 the same mean |logprob
+        # difference| and 10/20 instead of 17/20), so the continuation figures are guarded against collapse
+        # only. The mean |logprob difference| guards the rotation's gain (int8 measured 0.0111 without it).
         assert abs(p - p_ref) / p_ref < 0.01
         assert agreed >= 0.5 * total and same >= 0.25 * len(PROMPTS)
+        assert sum(diffs) / len(diffs) < (0.009 if dt == "int8" else 0.05)
 
 
 def test_bench_kv_attention_times_every_dtype_on_the_same_values(capsys):
