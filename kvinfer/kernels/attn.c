@@ -87,8 +87,6 @@ static uint8_t fp8_encode(float v) {
  * (sum p H v = H sum p v). The butterflies run in a fixed order and 1/R is exact, so every level computes the
  * same bits. (Measured on the built-in model: rotating whole 64-value heads instead gave the same mean |logprob
  * difference|.) */
-static inline int64_t rot_size(int64_t D) { return D % KV_GROUP ? D : KV_GROUP; }
-
 static inline void wht(float *x, int64_t n) {
     for (int64_t len = 1; len < n; len <<= 1)
         for (int64_t i = 0; i < n; i += len << 1)
@@ -98,13 +96,12 @@ static inline void wht(float *x, int64_t n) {
             }
 }
 
-/* x[0:D] rotated block by block, times `mul` (1/R to go back, or 1 when storing). */
+/* x[0:D] rotated group by group, times `mul` (1/R to go back, or 1 when storing). */
 static inline void rotate(float *x, int64_t D, float mul) {
-    const int64_t R = rot_size(D);
-    for (int64_t c = 0; c < D; c += R) {
-        wht(x + c, R);
+    for (int64_t c = 0; c < D; c += KV_GROUP) {
+        wht(x + c, KV_GROUP);
         if (mul != 1.0f)
-            for (int64_t e = 0; e < R; e++) x[c + e] = x[c + e] * mul;
+            for (int64_t e = 0; e < KV_GROUP; e++) x[c + e] = x[c + e] * mul;
     }
 }
 
@@ -318,7 +315,7 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
     for (int64_t h = 0; h < G; h++) { /* q into the cache's rotated space */
         float *r = L.qf + h * D;
         memcpy(r, q + h * D, sizeof(float) * (size_t)D);
-        rotate(r, D, 1.0f / (float)rot_size(D));
+        rotate(r, D, 1.0f / KV_GROUP);
         if (DT == KV_INT8)
             for (int64_t c = 0; c < NG; c++) {
                 float amax = 0.0f;
@@ -502,7 +499,7 @@ static void merge(const float *part, int64_t C, int64_t G, int64_t D, float *out
 /* merge(), then out of a rotated 8-bit cache's space (see rotate). */
 static void merge_out(const struct kvq_attn *j, const float *part, int64_t C, int64_t G, float *out) {
     merge(part, C, G, j->D, out);
-    if (j->kv_dtype != KV_F32 && kv_rotated(j->D)) rotate(out, j->D, 1.0f / (float)rot_size(j->D));
+    if (j->kv_dtype != KV_F32 && kv_rotated(j->D)) rotate(out, j->D, 1.0f / KV_GROUP);
 }
 
 static inline int64_t num_pieces(const struct kvq_attn *j, int64_t t) {
