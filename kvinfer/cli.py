@@ -21,38 +21,35 @@ SEED_MAX = (1 << 63) - 1  # torch generators take 64-bit seeds; larger ones over
 THREADS_MAX = 1024
 
 
-def int_at_least(name: str, lo: int = 1, hi: int = INT_MAX):
-    """An argparse type: an integer in [lo, hi]. argparse already names the flag, so the message does not."""
-    def parse(text: str) -> int:
+def _bounded(name: str, conv, what: str, lo, hi, strict_lo: bool = False):
+    """An argparse type: a `conv` number in [lo, hi] ((lo, hi] when strict_lo). argparse names the flag itself."""
+    show = (lambda x: f"{x:g}") if conv is float else str
+
+    def parse(text: str):
         try:
-            v = int(text)
+            v = conv(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if v < lo or (strict_lo and v == lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict_lo else '>='} {show(lo)}, got {show(v)}")
         if v > hi:
-            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be <= {show(hi)}, got {show(v)}")
         return v
 
     parse.__name__ = name  # argparse names the type in its own messages
     return parse
 
 
+def int_at_least(name: str, lo: int = 1, hi: int = INT_MAX):
+    """An argparse type: an integer in [lo, hi]."""
+    return _bounded(name, int, "an integer", lo, hi)
+
+
 def float_above(name: str, lo: float = 0.0, inclusive: bool = False):
     """An argparse type: a finite number > lo (>= lo when inclusive)."""
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if v != v or v in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if v < lo or (v == lo and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo:g}, got {v:g}")
-        return v
-
-    parse.__name__ = name
-    return parse
+    return _bounded(name, float, "a number", lo, float("inf"), strict_lo=not inclusive)
 
 
 def seed_int(name: str):
