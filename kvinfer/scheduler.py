@@ -64,18 +64,21 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
-    def check_fits(self, req: Request) -> None:
-        """Reject at once a request that can never run, so the engine keeps serving the others."""
-        total = req.num_prompt_tokens + (req.params.max_tokens or 0)
-        if req.num_prompt_tokens == 0:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> None:
+        """Reject at once a request that can never run, so the engine keeps serving the others.
+
+        Reads only what is fixed at start-up, so the input processor calls it on the caller's thread; add_request
+        takes requests already checked here."""
+        total = num_prompt_tokens + (max_tokens or 0)
+        if num_prompt_tokens == 0:
             raise ValidationError("prompt", "", "is empty; give at least one token")
-        if req.num_prompt_tokens >= self.cfg.max_model_len:
+        if num_prompt_tokens >= self.cfg.max_model_len:
             raise RequestTooLargeError(
-                f"the prompt has {req.num_prompt_tokens} tokens; the context window (max_model_len) is "
+                f"the prompt has {num_prompt_tokens} tokens; the context window (max_model_len) is "
                 f"{self.cfg.max_model_len}, leaving no room to generate", "prompt")
         if total > self.cfg.max_model_len:
             raise RequestTooLargeError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = {total} exceeds "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                 f"the context window (max_model_len={self.cfg.max_model_len})", "max_tokens")
         if not self.kv.can_ever_fit(total):
             raise RequestTooLargeError(
@@ -83,7 +86,6 @@ class Scheduler:
                 f"({self.kv.token_capacity} tokens); raise --kv-cache-memory or lower max_tokens", "max_tokens")
 
     def add_request(self, req: Request) -> None:
-        self.check_fits(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self.requests[req.request_id] = req

@@ -131,10 +131,10 @@ def test_admission_checks_name_the_parameter():
              (req("k", 10, max_tokens=7), RequestTooLargeError, "max_tokens")]  # 17 tokens > 16 slots of KV
     for r, err, param in cases:
         with pytest.raises(err) as e:
-            s.add_request(r)
+            s.check_fits(r.num_prompt_tokens, r.params.max_tokens)
         assert e.value.param == param
-    assert not s.waiting and not s.requests
-    s.add_request(req("ok", 10, max_tokens=6))  # exactly the 16 slots
+    s.check_fits(10, 6)  # exactly the 16 slots
+    s.add_request(req("ok", 10, max_tokens=6))
     assert ids(s.waiting) == ["ok"]
 
 
@@ -307,10 +307,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens = [1000 + i for i in range(prefix * self.bs)] + [self.n * 100 + i for i in range(length)]
         r = req(f"r{self.n}", tokens, max_tokens, arrival=self.n)
         try:
-            self.s.add_request(r)
+            self.s.check_fits(r.num_prompt_tokens, r.params.max_tokens)
         except (RequestTooLargeError, ValidationError):
-            assert r.request_id not in self.s.requests
             return
+        self.s.add_request(r)
         self.order[r.request_id] = self.n
 
     @precondition(lambda self: self.s.running)

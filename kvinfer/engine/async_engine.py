@@ -235,9 +235,10 @@ class AsyncLLMEngine:
         """Admit several requests atomically (all or none) onto one shared output stream."""
         if not self.is_running:
             raise EngineDeadError() if self._dead is None else EngineDeadError(f"the engine failed: {self._dead!r}")
-        reqs = [(rid if rid is not None else self.new_request_id(), p, sp or SamplingParams())
+        # Input processing here, on the caller's loop: the engine thread only queues token ids already checked.
+        reqs = [self.engine.processor.process(rid if rid is not None else self.new_request_id(), p, sp)
                 for rid, p, sp in requests]
-        seqs = sum(sp.n for _, _, sp in reqs)
+        seqs = sum(r.params.n for r in reqs)
         limit = self.capacity
         with self._active_lock:
             if self._num_active + seqs > limit:
@@ -246,7 +247,7 @@ class AsyncLLMEngine:
                                      "retry later")
             self._num_active += seqs
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, [r[0] for r in reqs], loop, seqs)
+        stream = RequestStream(self, [r.request_id for r in reqs], loop, seqs)
         accepted = loop.create_future()
         self._send(("add", stream, reqs, accepted))
         try:
@@ -356,9 +357,8 @@ class AsyncLLMEngine:
             _, stream, reqs, fut = cmd
             added = []
             try:
-                for rid, prompt, params in reqs:
-                    eng.add_request(rid, prompt, params)
-                    added.append(rid)
+                for req in reqs:
+                    added.append(eng.add_processed(req))
             except Exception as e:
                 for rid in added:
                     eng.abort(rid)

@@ -5,14 +5,15 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
 from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvinfer.errors import ModelLoadError, RequestTooLargeError, ValidationError
+from kvinfer.engine.processing import EngineRequest, InputProcessor, Prompt
+from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
@@ -154,6 +155,7 @@ class LLMEngine:
                  m.num_units, m.unit_name, m.unit_tokens, m.token_capacity)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
+        self.processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.scheduler)
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
         else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
@@ -193,36 +195,19 @@ class LLMEngine:
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
-        return min(self.max_model_len, self.kv_manager.max_request_tokens) - num_prompt_tokens
+        return self.processor.max_new_tokens(num_prompt_tokens)
 
     # ---- requests ----------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValidationError("prompt", prompt[:40], "this model has no tokenizer; pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValidationError("prompt", t, f"token ids must be integers in [0, {vocab})")
-        return None, ids
+    def add_request(self, request_id: Optional[str], prompt: Prompt, params: Optional[SamplingParams] = None) -> str:
+        """Check and queue a request; raises ValidationError / RequestTooLargeError if it can never run."""
+        return self.add_processed(self.processor.process(request_id, prompt, params))
 
-    def add_request(self, request_id: Optional[str], prompt: Union[str, Sequence[int]],
-                    params: Optional[SamplingParams] = None) -> str:
-        """Queue a request; raises ValidationError / RequestTooLargeError if it can never run."""
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+    def add_processed(self, req: EngineRequest) -> str:
+        """Queue a request the input processor has already tokenized, completed and checked."""
+        params, ids = req.params, req.prompt_token_ids
+        request_id = req.request_id if req.request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValidationError("request_id", request_id, "is already in use")
-        text, ids = self.tokenize_prompt(prompt)
-        vocab = self.model_config.vocab_size
-        for param, ids_ in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias)):
-            bad = next((t for t in ids_ if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValidationError(param, bad, f"token ids must be in [0, {vocab})")
-        if params.max_tokens is None:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, self.max_new_tokens(len(ids)))})
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         grammar = self.grammar_matcher(params.structured_output) if params.structured_output is not None else None
         reqs = []
@@ -232,7 +217,6 @@ class LLMEngine:
             if grammar is not None:
                 r.grammar = grammar if i == 0 else grammar.deep_copy()
             reqs.append(r)
-        self.scheduler.check_fits(reqs[0])
         share = params.n > 1 and self.kv_manager.can_fork
         for i, r in enumerate(reqs):
             if share and i > 0:
@@ -241,7 +225,7 @@ class LLMEngine:
                 self.scheduler.add_request(r)
         if share:
             self._pending_forks[reqs[0].request_id] = reqs[1:]
-        self.groups[request_id] = _Group(request_id, text, ids, [self._new_state(r) for r in reqs])
+        self.groups[request_id] = _Group(request_id, req.prompt, ids, [self._new_state(r) for r in reqs])
         return request_id
 
     def grammar_matcher(self, spec):

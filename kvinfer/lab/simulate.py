@@ -448,6 +448,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
             req = Request(str(i), ids, SamplingParams(max_tokens=t.output_tokens, temperature=0.0, ignore_eos=True),
                           arrival_time=t.arrival)
             try:
+                sched.check_fits(req.num_prompt_tokens, req.params.max_tokens)
                 sched.add_request(req)
                 by_id[req.request_id] = results[i]
             except RequestTooLargeError as e:

@@ -132,7 +132,7 @@ def _server(request: Request) -> ServerState:
 
 
 # ---- request bodies to prompts and SamplingParams ----------------------------------------------------
-def _sampling_params(srv: ServerState, body, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
     stop = body.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings are allowed", param="stop")
@@ -160,30 +160,23 @@ def _sampling_params(srv: ServerState, body, max_tokens: Optional[int], logprobs
         kw["repetition_penalty"] = body.repetition_penalty
     if body.min_tokens is not None:
         kw["min_tokens"] = body.min_tokens
+    # Token ids in stop_token_ids and logit_bias are checked against the vocabulary by the input processor.
     if body.stop_token_ids:
-        bad = next((t for t in body.stop_token_ids if not 0 <= t < srv.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {srv.vocab_size})",
-                           param="stop_token_ids")
         kw["stop_token_ids"] = body.stop_token_ids
     if body.logit_bias:
-        kw["logit_bias"] = _logit_bias(body.logit_bias, srv.vocab_size)
+        kw["logit_bias"] = _logit_bias(body.logit_bias)
     kw["structured_output"] = response_format_spec(body.response_format)
     return SamplingParams(**kw)
 
 
-def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's JSON keys are token ids as strings."""
     out = {}
     for key, value in bias.items():
         try:
-            tid = int(key)
+            out[int(key)] = value
         except ValueError:
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if not 0 <= tid < vocab_size:
-            raise APIError(400, f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})",
-                           param="logit_bias")
-        out[tid] = value
     return out
 
 
@@ -216,7 +209,7 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
                             f"most {capacity}", param="prompt" if len(prompts) > 1 else "n")
     if not srv.tokenizer and any(isinstance(p, str) for p in prompts):
         raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-    params = _sampling_params(srv, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
     return prompts, params
 
 
@@ -233,10 +226,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
     ids = tok.encode(text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(srv, body, max_tokens, k)
-    if max_tokens is None:
-        # Rest of the context window, as OpenAI does; the engine would otherwise pick it per prompt anyway.
-        params = SamplingParams(**{**params.__dict__, "max_tokens": max(1, srv.engine.max_model_len - len(ids))})
+    params = _sampling_params(body, max_tokens, k)  # max_tokens None: the input processor fills in the rest
     if tools is not None and tools.forced:
         params = SamplingParams(**{**params.__dict__, "structured_output": tools.spec})
     if params.n > srv.engine.capacity:
