@@ -288,7 +288,8 @@ class LLMEngine:
                 if s.start < s.request.num_prompt_tokens:
                     self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
             if sampled:
-                self._sample_and_update(logits, sampled, touched)
+                forked = self._fork_siblings(sampled)  # a stage of its own, before any sampling
+                self._sample_and_update(logits, sampled, forked, touched)
             if self.speculator is not None:
                 if all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled):  # decode only
                     self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
@@ -302,7 +303,27 @@ class LLMEngine:
                 outs.append(self._make_output(g))
         return outs
 
-    def _sample_and_update(self, logits, sampled, touched) -> None:
+    def _fork_siblings(self, sampled) -> dict[str, list[Request]]:
+        """n>1: once a group's first sample has its prompt computed, its siblings share that KV and join the batch.
+
+        Returns the siblings by first sample's id; they sample from the same logits row this step."""
+        forked = {}
+        for s in sampled:
+            r = s.request
+            children = self._pending_forks.pop(r.request_id, None) if not s.spec_token_ids else None
+            if not children:
+                continue
+            for child in children:
+                # The sibling shares the prompt's blocks (copy-on-write on the partial last one).
+                self.kv_manager.fork(r, child)
+                child.num_computed_tokens = r.num_computed_tokens
+                child.num_cached_tokens = r.num_cached_tokens
+                child.fork_parent = None
+                self.scheduler.add_running(child)
+            forked[r.request_id] = children
+        return forked
+
+    def _sample_and_update(self, logits, sampled, forked: dict[str, list[Request]], touched) -> None:
         rows, reqs, row_src = [], [], []
         verify, i = [], 0  # i: the first logits row of each sampled seq
         for s in sampled:
@@ -311,15 +332,7 @@ class LLMEngine:
                 verify.append((s, i))
                 i += 1 + len(s.spec_token_ids)
                 continue
-            family = [r] + self._pending_forks.pop(r.request_id, [])
-            if len(family) > 1:
-                for child in family[1:]:
-                    # The sibling shares the prompt's blocks (copy-on-write on the partial last one).
-                    self.kv_manager.fork(r, child)
-                    child.num_computed_tokens = r.num_computed_tokens
-                    child.num_cached_tokens = r.num_cached_tokens
-                    child.fork_parent = None
-                    self.scheduler.add_running(child)
+            family = [r] + forked.get(r.request_id, [])
             for m in family:
                 rows.append(self._sample_row(m))
                 reqs.append(m)
