@@ -43,6 +43,9 @@ def test_input_is_completed_and_checked_once_before_the_core(engine, monkeypatch
         with pytest.raises(err) as e:
             engine.add_request(None, [5, 6, 7], params)
         assert e.value.param == param
+    with pytest.raises(ValidationError, match="no tokenizer") as e:  # text needs a tokenizer; this model has none
+        engine.add_request(None, "hi", SamplingParams(max_tokens=4))
+    assert e.value.param == "prompt"
     assert not engine.has_unfinished_requests() and not engine.scheduler.num_unfinished
     calls = []
     check = engine.scheduler.check_fits

@@ -146,6 +146,7 @@ BAD_COMPLETIONS = [
      "max_tokens"),
     ("token id outside the vocabulary", b'{"prompt": [1, 2, 99999999]}', 400, "prompt"),
     ("empty token list", b'{"prompt": []}', 400, "prompt"),
+    ("empty token list among prompts", b'{"prompt": [[5, 6], []]}', 400, "prompt"),
     ("empty stop string", b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     ("NaN temperature", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("stop token id outside the vocabulary", b'{"prompt": "hi", "stop_token_ids": [99999999], "min_tokens": 1}',

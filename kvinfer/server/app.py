@@ -201,14 +201,10 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which are not implemented", param="echo")
     prompts = _prompts_of(body.prompt)
-    if any(isinstance(p, list) and not p for p in prompts):
-        raise APIError(400, "a token-id prompt is empty", param="prompt")
     capacity = srv.engine.capacity
     if len(prompts) * n > capacity:
         raise APIError(400, f"{len(prompts)} prompts x n={n} sequences in one request; this server holds at "
                             f"most {capacity}", param="prompt" if len(prompts) > 1 else "n")
-    if not srv.tokenizer and any(isinstance(p, str) for p in prompts):
-        raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
     params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
     return prompts, params
 
