@@ -83,9 +83,9 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
         row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
     if r.banned_ids:
         idx = torch.tensor(list(r.banned_ids), dtype=torch.long)
-        kept = row[idx].clone()
+        kept = row[idx] if r.grammar is not None else None  # index by tensor: already a copy
         row[idx] = float("-inf")
-        if r.grammar is not None and not bool(torch.isfinite(row).any()):
+        if kept is not None and not bool(torch.isfinite(row).any()):
             row[idx] = kept  # the grammar is complete: min_tokens cannot make it go on
 
     if r.params.uses_penalties:
