@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import logging
 import os
@@ -452,5 +453,27 @@ def main(argv=None) -> int:
         return 0
 
 
+def run() -> None:
+    """The `kvinfer` console command: main(), then an exit that skips tearing the interpreter down.
+
+    After a model ran, Python's own shutdown (freeing torch's modules, the weights, the KV reservation object by
+    object) took ~0.6 s of a 3.5 s `kvinfer generate`; the process owns nothing that needs it. Exit handlers
+    (tensor-parallel workers' shutdown), logging and the standard streams are still flushed, and non-daemon threads
+    joined, as a normal exit would. Tests call main() and keep the normal path.
+    """
+    code = main()
+    atexit._run_exitfuncs()
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (kvinfer ... | head) has nobody left to read it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -119,3 +119,16 @@ def test_models_lists_families_and_types(capsys):
     out = capsys.readouterr().out
     for name in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "bloom", "Q4_1", "Q6_K", "BF16"):
         assert name in out
+
+
+def test_console_exit_keeps_exit_handlers_output_and_status():
+    # run() skips interpreter teardown: what a normal exit guarantees must still happen.
+    code = ("import atexit, sys; atexit.register(lambda: print('exit handler ran')); "
+            "from kvinfer.cli import run; sys.argv = ['kvinfer'] + sys.argv[1:]; run()")
+    ok = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "GGUF tensor types" in ok.stdout and ok.stdout.rstrip().endswith("exit handler ran")
+    bad = subprocess.run([sys.executable, "-c", code, "generate", "--model", "/no/such/model", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "/no/such/model" in bad.stderr and "exit handler ran" in bad.stdout

@@ -1,6 +1,7 @@
 """Vectorised dequantisation of GGML tensor types (float, legacy Q4-Q8 and K-quants) to float32 torch tensors."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Union
 
 import numpy as np
@@ -66,7 +67,7 @@ def nbytes_for(qtype: QType, shape: tuple[int, ...]) -> int:
         raise ModelLoadError(
             f"a {type_name(qtype)} tensor of shape {list(shape)} needs its last dim to be a multiple of {elems}"
         )
-    return int(np.prod(shape, dtype=np.int64)) // elems * nbytes
+    return math.prod(shape) // elems * nbytes  # math.prod: ~0.2 us vs np.prod ~10 us, called per tensor
 
 
 def _as_bytes(raw) -> torch.Tensor:
