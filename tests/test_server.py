@@ -291,6 +291,24 @@ def test_metrics_count_traffic(client):
     assert 0.0 <= metric(after, "kvinfer_prefix_cache_hit_rate") <= 1.0
 
 
+def test_metrics_count_exactly_the_tokens_kept_after_stop_strings(client):
+    """Stop strings are found on the event loop, after the core made more tokens: those are uncounted before
+    the response goes out, so /metrics equals the usage the client saw."""
+    before = metric(_wait_kv_free(client), "kvinfer_generation_tokens_total")
+    r = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 16, "n": 2, "seed": 7,
+                                             "temperature": 0.8, "stop": ["e"], "ignore_eos": True})
+    assert r.status_code == 200
+    reasons, counted = [c["finish_reason"] for c in r.json()["choices"]], r.json()["usage"]["completion_tokens"]
+    body = {"messages": [{"role": "user", "content": "Say hello to the sea."}], "max_tokens": 16, "temperature": 0,
+            "stop": [" "], "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    reasons += [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
+    counted += chunks[-1]["usage"]["completion_tokens"]
+    assert reasons.count("stop") >= 2, reasons
+    assert metric(client.get("/metrics").text, "kvinfer_generation_tokens_total") - before == counted
+
+
 async def asyncio_timeout_iter(stream, seconds):
     async with asyncio.timeout(seconds):  # a stream that never ended would hang the suite
         async for o in stream:
@@ -381,19 +399,19 @@ def test_serve_cli_registers_without_torch():
 
 def test_a_failing_step_aborts_its_requests_and_the_server_goes_on(srv, client):
     eng = srv.engine.engine
-    real_step = eng.step
+    real_step = eng.step_core
 
     def broken_step():
-        eng.step = real_step  # fail once
+        eng.step_core = real_step  # fail once
         raise RuntimeError("injected failure")
 
-    eng.step = broken_step
+    eng.step_core = broken_step
     try:
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         err = assert_error_shape(r, 500)
         assert err["type"] == "server_error" and "injected failure" in err["message"]
     finally:
-        eng.step = real_step
+        eng.step_core = real_step
     assert client.get("/health").json() == {"status": "ok"}
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
     _wait_kv_free(client)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from kvinfer.config import EngineConfig
 from kvinfer.engine.outputs import RequestOutput
+from kvinfer.engine.processing import CoreOutput, OutputProcessor
 from kvinfer.errors import KvinferError
 from kvinfer.sampling_params import SamplingParams
 
@@ -80,12 +81,14 @@ class RequestStream:
     """Async iterator over the RequestOutputs of one or more engine requests, ending when all finish.
 
     Several requests may share a stream (one HTTP request with several prompts); each output carries
-    its `request_id` so the consumer can tell them apart.
+    its `request_id` so the consumer can tell them apart. The stream owns the output processing of its
+    requests, run on its loop as the core's token-level outputs arrive (whether or not anyone iterates).
     """
 
     def __init__(self, engine: "AsyncLLMEngine", request_ids: list[str], loop: asyncio.AbstractEventLoop,
-                 num_seqs: int = 1):
+                 outputs: OutputProcessor, num_seqs: int = 1):
         self.request_ids = request_ids
+        self.outputs = outputs
         self.num_seqs = num_seqs  # sequences (requests x samples) it holds against the engine's queue limit
         self._engine = engine
         self._loop = loop
@@ -112,6 +115,7 @@ class RequestStream:
 
     def _request_aborted(self, request_id: str) -> None:
         # Aborted by id from elsewhere (AsyncLLMEngine.abort): no final output will come for it.
+        self.outputs.abort(request_id)
         if request_id in self._unfinished:
             self._unfinished.discard(request_id)
             if not self._unfinished:
@@ -147,6 +151,33 @@ class RequestStream:
             self.closed = True
             self._engine._release(self)
 
+    # called on the event loop, with the core's outputs of one step
+    def _process(self, core_outs: list[CoreOutput]) -> None:
+        if self.closed:
+            return  # aborted: the abort command frees its groups
+        try:
+            outs, stops, corrected = self.outputs.process(core_outs)
+        except Exception as e:  # a bug (a tokenizer that cannot decode): end this stream, free its requests
+            log.exception("output processing failed; aborting %s", sorted(self._unfinished))
+            self._engine._send(("abort", list(self._unfinished)))
+            self._unfinished.clear()
+            self._fail(EngineStepError(f"internal error while processing outputs ({type(e).__name__}: {e}); "
+                                       "the request was aborted"))
+            return
+        send = self._engine._send
+        for request_id, index, kept in stops:  # at once, so the core stops spending steps on them
+            send(("stop_sample", request_id, index, kept))
+        for out in outs:
+            if not out.finished:
+                self._put(out)
+            elif out.request_id in corrected:
+                # After the stop commands, in order: the core corrects its counts, then hands the final back,
+                # so a client that sees its response finds it counted as it was kept.
+                send(("retire", out.request_id, self, out))
+            else:
+                send(("retire", out.request_id))
+                self._put(out)
+
     @property
     def finished(self) -> bool:
         return not self._unfinished
@@ -166,9 +197,13 @@ class RequestStream:
 class AsyncLLMEngine:
     """Wraps an LLMEngine for asyncio servers.
 
-    A dedicated thread owns the engine: it takes commands (add, abort) from a thread-safe queue, steps
-    while there is work, and hands each step's outputs to the event loop in one batch with
-    `call_soon_threadsafe`, so the loop never waits on the model and the model never waits on the loop.
+    A dedicated thread owns the engine core: it takes commands (add, abort, stop, retire) from a thread-safe
+    queue, steps while there is work, and hands each step's token-level outputs to the event loop in one batch
+    with `call_soon_threadsafe`, so the loop never waits on the model and the model never waits on the loop.
+    Output processing (detokenization, stop strings) runs on the loop, per stream. A stop string found there
+    comes back as a ("stop_sample", ...) command; the core keeps every request's group until a ("retire", ...)
+    command (or an abort) says its outputs are done, so the tokens it made after a stop string can always be
+    uncounted, even when it finished the request by length or EOS first.
     """
 
     def __init__(self, engine, max_queue: int = DEFAULT_MAX_QUEUE, start: bool = True):
@@ -205,9 +240,13 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; streams still open end with EngineDeadError."""
         self._stopping = True
-        self._commands.put(("stop",))
+        self._commands.put(("shutdown",))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._thread.ident is not None and not self._thread.is_alive():
+            # No retire can come any more (the streams have failed): no group outlives the thread.
+            for rid in list(self.engine.groups):
+                self.engine.abort(rid)
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -247,7 +286,10 @@ class AsyncLLMEngine:
                                      "retry later")
             self._num_active += seqs
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, [r.request_id for r in reqs], loop, seqs)
+        outputs = OutputProcessor(self.tokenizer)
+        for r in reqs:
+            outputs.add(r.request_id, r)
+        stream = RequestStream(self, [r.request_id for r in reqs], loop, outputs, seqs)
         accepted = loop.create_future()
         self._send(("add", stream, reqs, accepted))
         try:
@@ -305,19 +347,13 @@ class AsyncLLMEngine:
         leftover: list[tuple] = []
         try:
             while True:
-                # Block only when idle; with work pending, take whatever commands arrived and step.
-                cmds = [] if eng.has_unfinished_requests() else [self._commands.get()]
-                while True:
-                    try:
-                        cmds.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                if any(c[0] == "stop" for c in cmds):
+                cmds = self._take_commands(block=not eng.has_work())
+                if any(c[0] == "shutdown" for c in cmds):
                     leftover = cmds
                     break
                 for c in cmds:
                     self._handle(c)
-                if eng.has_unfinished_requests():
+                if eng.has_work():
                     try:
                         self._step()
                     except Exception as e:
@@ -338,18 +374,25 @@ class AsyncLLMEngine:
             err = EngineDeadError() if self._dead is None else EngineDeadError(f"the engine failed: {self._dead!r}")
             self._fail_all(err)
             # Commands that raced with the stop: resolve their futures so no caller waits forever.
-            while True:
-                try:
-                    leftover.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            leftover += self._take_commands(block=False)
             for c in leftover:
                 if c[0] == "add":
                     self._resolve(c[1]._loop, c[3], err)
                 elif c[0] == "call":
                     self._resolve(c[2], c[3], err)
+                elif c[0] in ("stop_sample", "retire", "abort") and self._dead is None:
+                    self._handle(c)  # bookkeeping only: outputs already processed must not leave groups behind
             if self._dead is not None and self.on_dead is not None:
                 self.on_dead()
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        """Whatever commands arrived; blocks for one only when `block` (idle: no step to take)."""
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
 
     def _handle(self, cmd: tuple) -> None:
         eng = self.engine
@@ -374,6 +417,20 @@ class AsyncLLMEngine:
             except Exception as e:
                 result, exc = None, e
             self._resolve(loop, fut, exc, result)
+        elif cmd[0] == "stop_sample":
+            _, rid, index, kept = cmd
+            eng.stop_sample(rid, index, kept)
+        elif cmd[0] == "retire":
+            rid = cmd[1]
+            eng.retire(rid)
+            self._streams.pop(rid, None)
+            if len(cmd) > 2:  # a final held back until the stop commands before it corrected the counts
+                _, _, stream, final = cmd
+                self._snapshot()
+                try:
+                    stream._loop.call_soon_threadsafe(_put_final, stream, final)
+                except RuntimeError:
+                    pass
         elif cmd[0] == "abort":
             for rid in cmd[1]:
                 eng.abort(rid)
@@ -396,22 +453,22 @@ class AsyncLLMEngine:
             pass
 
     def _step(self) -> None:
-        outs = self.engine.step()
+        outs = self.engine.step_core()
         # Before the outputs go out: a client that saw its response must find it counted in the stats.
         self._snapshot()
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        batches: dict[asyncio.AbstractEventLoop, dict[RequestStream, list[CoreOutput]]] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            batches.setdefault(stream._loop, []).append((stream, out))
-        for loop, batch in batches.items():
+            if stream is not None:
+                batches.setdefault(stream._loop, {}).setdefault(stream, []).append(out)
+        for loop, batch in batches.items():  # one wake-up per loop and step
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:
-                pass
+                loop.call_soon_threadsafe(_process, batch)
+            except RuntimeError:  # the loop is closed: no retire will ever come, so forget them here
+                for stream_outs in batch.values():
+                    for out in stream_outs:
+                        self.engine.abort(out.request_id)
+                        self._streams.pop(out.request_id, None)
 
     def _recover(self, exc: Exception) -> None:
         """After a failed step, abort everything in flight so one bad batch cannot take the server down."""
@@ -446,7 +503,11 @@ class AsyncLLMEngine:
             spec_accepted_tokens=eng.stats["spec_accepted_tokens"])
 
 
-def _deliver(batch: list) -> None:
-    for stream, out in batch:
-        if not stream.closed:
-            stream._put(out)
+def _process(batch: dict[RequestStream, list[CoreOutput]]) -> None:
+    for stream, outs in batch.items():
+        stream._process(outs)
+
+
+def _put_final(stream: RequestStream, out: RequestOutput) -> None:
+    if not stream.closed:
+        stream._put(out)

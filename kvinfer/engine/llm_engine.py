@@ -4,15 +4,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner
-from kvinfer.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvinfer.engine.processing import EngineRequest, InputProcessor, Prompt
+from kvinfer.engine.outputs import Logprob, RequestOutput
+from kvinfer.engine.processing import CoreOutput, EngineRequest, InputProcessor, OutputProcessor, Prompt, SampleDelta
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
@@ -30,23 +30,12 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
 
 @dataclass
-class _SampleState:
-    """Output-side state of one sample: detokenizer, text, stop-string hold-back."""
-
-    req: Request
-    detok: object = None
-    text: str = ""
-    emitted: int = 0  # characters of `text` already reported
-    emitted_tokens: int = 0
-
-
-@dataclass
 class _Group:
+    """The core's view of a request: its samples and how many tokens of each were already handed out."""
+
     request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    samples: list[_SampleState]
-    finished_reported: bool = False
+    reqs: list[Request]
+    emitted: list[int]
 
 
 def available_memory(device: torch.device) -> int:
@@ -156,6 +145,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
         self.processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.scheduler)
+        self.output_processor = OutputProcessor(self.tokenizer)
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
         else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
@@ -200,10 +190,16 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: Prompt, params: Optional[SamplingParams] = None) -> str:
         """Check and queue a request; raises ValidationError / RequestTooLargeError if it can never run."""
-        return self.add_processed(self.processor.process(request_id, prompt, params))
+        req = self.processor.process(request_id, prompt, params)
+        request_id = self.add_processed(req)
+        self.output_processor.add(request_id, req)  # step() turns this engine's outputs into text
+        return request_id
 
     def add_processed(self, req: EngineRequest) -> str:
-        """Queue a request the input processor has already tokenized, completed and checked."""
+        """Queue a request the input processor has already tokenized, completed and checked: the core's entry.
+
+        Its outputs are processed by whoever added it: `add_request` + `step` here, or the AsyncLLMEngine's
+        streams (`step_core`, then `stop_sample` / `retire` commands)."""
         params, ids = req.params, req.prompt_token_ids
         request_id = req.request_id if req.request_id is not None else str(next(self._ids))
         if request_id in self.groups:
@@ -225,7 +221,7 @@ class LLMEngine:
                 self.scheduler.add_request(r)
         if share:
             self._pending_forks[reqs[0].request_id] = reqs[1:]
-        self.groups[request_id] = _Group(request_id, req.prompt, ids, [self._new_state(r) for r in reqs])
+        self.groups[request_id] = _Group(request_id, reqs, [0] * len(reqs))
         return request_id
 
     def grammar_matcher(self, spec):
@@ -238,20 +234,13 @@ class LLMEngine:
                                                     self._eos_ids())
         return self.sampler.grammars.matcher(spec)
 
-    def _new_state(self, r: Request) -> _SampleState:
-        st = _SampleState(r)
-        if self.tokenizer is not None:
-            from kvinfer.detokenizer import IncrementalDetokenizer
-
-            st.detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.params.skip_special_tokens)
-        return st
-
     def abort(self, request_id: str) -> bool:
+        """Finish whatever still runs of a request (its KV freed) and forget it; False if it is unknown."""
+        self.output_processor.abort(request_id)
         g = self.groups.pop(request_id, None)
         if g is None:
             return False
-        for st in g.samples:
-            r = st.req
+        for r in g.reqs:
             self._pending_forks.pop(r.request_id, None)
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
@@ -259,8 +248,19 @@ class LLMEngine:
             self.speculator.release(self.scheduler.running)
         return True
 
+    def retire(self, request_id: str) -> bool:
+        """Forget a request whose output processing has finished it. The core never does so by itself: a stop
+        string found after the core finished the request (by length or a stop token) still has its group here
+        to correct the counts against (`stop_sample`). Its KV blocks went already, at `scheduler.finish`."""
+        return self.abort(request_id)  # every sample is finished by now; abort only forgets
+
     def has_unfinished_requests(self) -> bool:
+        """Requests not yet retired (offline: `step` retires a request with its final output)."""
         return bool(self.groups)
+
+    def has_work(self) -> bool:
+        """Something to schedule: retired or not, a request whose samples all finished needs no step."""
+        return self.scheduler.num_unfinished > 0
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -268,6 +268,35 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One core step, then its output processing inline (offline callers, CLI, bench, lab)."""
+        outs, stops, _ = self.output_processor.process(self.step_core())
+        for request_id, index, kept in stops:
+            self.stop_sample(request_id, index, kept)
+        for o in outs:
+            if o.finished:
+                self.retire(o.request_id)
+        return outs
+
+    def stop_sample(self, request_id: str, index: int, kept: int) -> None:
+        """A stop string ended sample `index` after `kept` tokens: finish it if it still runs, and uncount every
+        token made after (all of them, including those whose outputs are still on their way)."""
+        g = self.groups.get(request_id)
+        if g is None:
+            return  # aborted meanwhile: nothing left to count
+        r = g.reqs[index]
+        if not r.is_finished:
+            self.scheduler.finish(r, "stop")
+            if self.speculator is not None:
+                self.speculator.release(self.scheduler.running)
+        dropped = r.num_output_tokens - kept
+        if dropped > 0:  # truncated, so a repeated command drops nothing
+            self.stats["generation_tokens"] -= dropped
+            del r.output_token_ids[kept:]
+            del r.logprobs[kept:]
+            g.emitted[index] = min(g.emitted[index], kept)
+
+    def step_core(self) -> list[CoreOutput]:
+        """Schedule, run the model, sample; token-level outputs of the requests that got tokens."""
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
@@ -300,7 +329,7 @@ class LLMEngine:
         for gid in touched:
             g = self.groups.get(gid)
             if g is not None:
-                outs.append(self._make_output(g))
+                outs.append(self._core_output(g))
         return outs
 
     def _fork_siblings(self, sampled) -> dict[str, list[Request]]:
@@ -392,69 +421,30 @@ class LLMEngine:
         if lp is not None:
             r.logprobs.append(Logprob(tok, lp[0], lp[1]))
             r.cumulative_logprob += lp[0]
-        g = self.groups[r.group_id]
-        st = g.samples[r.index]
         p = r.params
         reason, stop_reason = None, None
         is_stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos_ids())
         # A grammar only lets a banned stop token through when the output can end nowhere else.
         if is_stop_token and (r.num_output_tokens > p.min_tokens - 1 or r.grammar is not None):
             reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
-        if st.detok is not None and reason is None:
-            st.text += st.detok.add([tok])
-            if p.stop and r.num_output_tokens >= p.min_tokens:
-                hit = self._find_stop(st, p)
-                if hit is not None:
-                    reason, stop_reason = "stop", hit
-        if reason is None:
-            if r.num_output_tokens >= p.max_tokens or r.num_tokens >= self.max_model_len:
-                reason = "length"
+        elif r.num_output_tokens >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = "length"
         if reason is not None:
-            if st.detok is not None and not isinstance(stop_reason, str):
-                st.text += st.detok.flush()
             r.stop_reason = stop_reason
             self.scheduler.finish(r, reason)
 
-    def _find_stop(self, st: _SampleState, p: SamplingParams) -> Optional[str]:
-        window_start = st.emitted  # held-back text starts here, so a new stop string cannot start earlier
-        best = None
-        for s in p.stop:
-            i = st.text.find(s, window_start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        i, s = best
-        st.text = st.text[: i + len(s)] if p.include_stop_str_in_output else st.text[:i]
-        return s
-
-    def _make_output(self, g: _Group) -> RequestOutput:
-        outs = []
-        for st in g.samples:
-            r = st.req
-            finished = r.is_finished
-            hold = 0
-            if not finished and r.params.stop:
-                hold = max(len(s) for s in r.params.stop) - 1  # might still become a stop string
-            safe = max(st.emitted, len(st.text) - hold)
-            delta = st.text[st.emitted:safe]
-            st.emitted = safe
-            dtoks = r.output_token_ids[st.emitted_tokens:]
-            st.emitted_tokens = r.num_output_tokens
-            outs.append(CompletionOutput(
-                index=r.index, text=st.text[:safe], token_ids=list(r.output_token_ids),
-                finish_reason=r.finish_reason if finished else None, stop_reason=r.stop_reason,
-                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-                cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
-                delta_text=delta, delta_token_ids=dtoks))
-        finished = all(st.req.is_finished for st in g.samples)
-        first = g.samples[0].req
-        m = RequestMetrics(first.arrival_time, first.first_token_time, first.last_token_time, first.num_output_tokens)
-        out = RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, finished,
-                            max(first.num_cached_tokens, 0), m)
-        if finished:
-            self.groups.pop(g.request_id, None)
-        return out
+    @staticmethod
+    def _core_output(g: _Group) -> CoreOutput:
+        """The tokens each sample got since the last output (copies: the loop reads them while this goes on)."""
+        deltas = []
+        for i, r in enumerate(g.reqs):
+            start, g.emitted[i] = g.emitted[i], r.num_output_tokens
+            lps = r.logprobs[start:] if r.params.logprobs is not None else None
+            deltas.append(SampleDelta(i, r.output_token_ids[start:], lps, r.finish_reason if r.is_finished else None,
+                                      r.stop_reason))
+        first = g.reqs[0]
+        return CoreOutput(g.request_id, deltas, max(first.num_cached_tokens, 0), first.arrival_time,
+                          first.first_token_time, first.last_token_time)
 
     # ---- introspection -------------------------------------------------------------------------
     def kv_usage(self) -> dict:
