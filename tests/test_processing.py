@@ -172,14 +172,15 @@ def test_n2_with_a_stop_string_in_one_sample_counts_what_it_keeps(engine, monkey
     async def go(aeng):
         before = aeng.stats().generation_tokens
         out = await aeng.generate(prompt, params)
-        return out, aeng.stats().generation_tokens - before
+        # Retired by the loop's command, not by shutdown: a command queued after it sees the engine without it.
+        return out, aeng.stats().generation_tokens - before, await aeng.call(lambda eng: list(eng.groups))
 
-    out, counted = _run_async(engine, monkeypatch, go)
+    out, counted, groups = _run_async(engine, monkeypatch, go)
     s0, s1 = out.outputs
     assert (s0.token_ids, s0.finish_reason, s0.stop_reason) == (a[:j + 1], "stop", chr(0x4E00 + a[j]))
     assert (s1.token_ids, s1.finish_reason) == (b, "length")
     assert counted == len(s0.token_ids) + len(s1.token_ids)
-    assert not engine.groups and engine.kv_manager.num_free_units == engine.kv_manager.num_units
+    assert groups == [] and engine.kv_manager.num_free_units == engine.kv_manager.num_units
 
 
 def test_abort_mid_stream_forgets_the_group(engine, monkeypatch):
