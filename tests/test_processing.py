@@ -201,3 +201,27 @@ def test_abort_mid_stream_forgets_the_group(engine, monkeypatch):
     assert not first.finished and first.outputs[0].token_ids
     assert not engine.groups and not aeng._streams and not engine.has_work()
     assert engine.kv_manager.num_free_units == engine.kv_manager.num_units
+
+
+def test_a_failure_in_output_processing_ends_its_stream_and_frees_its_requests(engine, monkeypatch):
+    from kvinfer.engine.async_engine import EngineStepError
+
+    aeng = _manual(engine, monkeypatch)
+
+    class Broken:
+        def decode(self, ids, skip_special_tokens=True):
+            raise RuntimeError("cannot decode")
+
+    monkeypatch.setattr(aeng, "tokenizer", Broken())
+
+    async def go():
+        stream = await _add_by_hand(aeng, "bad", [4, 5], SamplingParams(max_tokens=20, ignore_eos=True))
+        aeng._step()
+        await asyncio.sleep(0)  # the loop's output processing raises; the stream sends an abort
+        _by_hand(aeng)
+        with pytest.raises(EngineStepError, match="cannot decode"):
+            await stream.__anext__()
+
+    asyncio.run(go())
+    assert not engine.groups and not aeng._streams and not engine.has_work()
+    assert engine.kv_manager.num_free_units == engine.kv_manager.num_units
