@@ -53,6 +53,11 @@ class Scheduler:
     Running requests are served first, oldest first; if the KV manager runs out, the most recently
     admitted running request is preempted (its cache freed, recomputed later) and goes to the front
     of the waiting queue so it resumes before newer requests.
+
+    A waiting request is admitted only if one block per running sequence stays free after its prompt: each of
+    them crosses a block boundary within the next block_size tokens, and without that headroom the newcomer
+    (the newest, so the first victim) is preempted soon after its prefill and computes it again. A request
+    alone is admitted whenever it fits, so nothing waits forever.
     """
 
     def __init__(self, cfg: SchedulerConfig, kv_manager: KVManager):
@@ -136,7 +141,7 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             if self._must_wait_whole(n, req.num_tokens - num_cached):
                 break
-            if not self.kv.allocate_slots(req, n, computed):
+            if not self.kv.allocate_slots(req, n, computed, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_cached

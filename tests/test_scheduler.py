@@ -57,6 +57,14 @@ def started(s: Scheduler, *reqs: Request):
     return step(s)
 
 
+def joined(s: Scheduler, r: Request) -> None:
+    """r running with its prompt computed and one token pending, placed by hand where admission would keep the
+    blocks free for the running sequences to grow into (to set up a pool that is full)."""
+    assert s.kv.allocate_slots(r, r.num_tokens)
+    r.num_computed_tokens, r.output_token_ids = r.num_tokens, [NEW_TOKEN]
+    s.add_running(r)
+
+
 def ids(reqs) -> list[str]:
     return [r.request_id for r in reqs]
 
@@ -183,8 +191,9 @@ def test_the_newest_running_request_is_preempted_and_resumes_first():
     assert ids(s.running) == ["a", "b"]
     s.finish(a, "stop")
     out = step(s)
-    # c recomputes its prompt and its pending output (5 tokens, 2 blocks); then d is admitted.
-    assert plan(out) == [("b", 5, 1), ("c", 0, 5), ("d", 0, 2)]
+    # c recomputes its prompt and its pending output (5 tokens, 2 blocks); d would fit in the last free block,
+    # but b and c each cross a block boundary within 4 tokens: d waits rather than be pushed out after its prefill.
+    assert plan(out) == [("b", 5, 1), ("c", 0, 5)] and ids(s.waiting) == ["d"]
     assert s.num_preemptions == 1 and c.num_cached_tokens == 0
 
 
@@ -192,7 +201,8 @@ def test_several_victims_in_one_step_wait_in_arrival_order():
     # b is a's fork sibling: preempting it frees no block (all shared), so a has to go too.
     s = sched(num_blocks=2, block_size=4, budget=64)
     c, a = req("c", 2, max_tokens=2, arrival=0), req("a", 4, max_tokens=4, arrival=1)
-    started(s, c, a)
+    started(s, c)
+    joined(s, a)
     b = req("b", range(100, 104), max_tokens=4, arrival=1)
     b.output_token_ids, b.num_computed_tokens = [9], 4
     s.kv.fork(a, b)
@@ -207,11 +217,33 @@ def test_several_victims_in_one_step_wait_in_arrival_order():
 def test_a_request_that_cannot_grow_alone_preempts_itself_and_comes_back_whole():
     s = sched(num_blocks=2, block_size=4, budget=64)
     a, b = req("a", 4, max_tokens=4, arrival=0), req("b", 4, max_tokens=4, arrival=1)
-    started(s, a, b)
+    started(s, a)
+    joined(s, b)
     out = step(s)
     assert out.preempted == ["b"] and plan(out) == [("a", 4, 1)]
     s.finish(a, "stop")
     assert plan(step(s)) == [("b", 0, 5)]
+
+
+def test_admission_leaves_a_free_block_per_running_sequence_to_grow_into():
+    s = sched(num_blocks=7, block_size=4, budget=64)
+    a, b = req("a", 3, max_tokens=8, arrival=0), req("b", 3, max_tokens=8, arrival=1)
+    started(s, a, b)  # one block each, 5 free
+    c, d = req("c", 8, max_tokens=4, arrival=2), req("d", 4, max_tokens=4, arrival=3)
+    add(s, c, d)
+    out = step(s)
+    # c takes 2 blocks and leaves one each for a and b; d (1 block) would leave 2 for a, b and c.
+    assert plan(out) == [("a", 3, 1), ("b", 3, 1), ("c", 0, 8)] and ids(s.waiting) == ["d"]
+    for _ in range(4):  # a, b and c all cross into a new block; nobody is pushed out
+        assert not step(s).preempted
+    assert s.num_preemptions == 0 and ids(s.waiting) == ["d"] and s.kv.num_free_blocks == 0
+    # With nothing running a request is admitted whenever it fits at all: no reserve can keep it out forever.
+    for r in (a, b, c):
+        s.finish(r, "stop")
+    big = req("big", 27, max_tokens=1, arrival=4)
+    s.waiting.appendleft(big)
+    s.requests["big"] = big
+    assert plan(step(s)) == [("big", 0, 27)] and s.kv.num_free_blocks == 0 and ids(s.waiting) == ["d"]
 
 
 def test_waiting_requests_are_not_admitted_in_a_step_that_preempted():

@@ -68,8 +68,10 @@ class KVManager(Protocol):
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """(cached blocks, tokens they hold) of the request's prompt prefix."""
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        """Room for num_new_tokens more tokens; False (and no change) if there is none."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                       reserve: int = 0) -> bool:
+        """Room for num_new_tokens more tokens, leaving `reserve` units free afterwards where units are shared
+        (paged); False (and no change) if there is none."""
 
     def trim(self, req: Request, num_tokens: int) -> None: ...
 

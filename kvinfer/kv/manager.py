@@ -66,8 +66,10 @@ class PagedKVManager:
         self.pool.num_hits += len(hits)
         return hits, len(hits) * bs
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if the pool cannot."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                       reserve: int = 0) -> bool:
+        """Make room for `num_new_tokens` more tokens with `reserve` blocks still free afterwards; False (and no
+        change) if the pool cannot."""
         bs = self.block_size
         table = self.block_tables.setdefault(req.request_id, [])
         start = req.num_computed_tokens + len(computed_blocks) * bs
@@ -75,7 +77,7 @@ class PagedKVManager:
         need = cdiv(end, bs) - len(table) - len(computed_blocks)
         cow = bool(table) and start % bs != 0 and self.pool.blocks[table[-1]].ref_cnt > 1
         reviving = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
-        if max(need, 0) + cow > self.pool.num_free_blocks - reviving:
+        if max(need, 0) + cow + reserve > self.pool.num_free_blocks - reviving:
             if not table:
                 del self.block_tables[req.request_id]
             return False
@@ -219,7 +221,7 @@ class SlotManager:
     def get_computed_blocks(self, req):
         return [], 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks=()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks=(), reserve: int = 0) -> bool:
         if req.request_id not in self.slot_of:
             if not self.free_slots:
                 return False
@@ -283,7 +285,7 @@ class NullManager:
     def get_computed_blocks(self, req):
         return [], 0
 
-    def allocate_slots(self, req, num_new_tokens, computed_blocks=()) -> bool:
+    def allocate_slots(self, req, num_new_tokens, computed_blocks=(), reserve: int = 0) -> bool:
         return True
 
     def free(self, req) -> None:
