@@ -52,9 +52,10 @@ def test_logits_match_transformers_and_greedy_continuations(builtin_llm, hf_mode
             ours = model.compute_logits(model(torch.tensor(full), torch.arange(n), md, kv))
         # The quantised matmuls round each 32-element block of activations to 16 bits (one arithmetic for every
         # batch size): logits within ~2e-2 of transformers' float32 (observed 0.021 on logits of magnitude ~15;
-        # a wrong scale or element gives errors of order 1), 3e-3 on average.
+        # a wrong scale or element gives errors of order 1), 2.3e-3 on average over 12 prompts, up to 3.2e-3 for
+        # one (any change in the float summation order moves each prompt's figure by 10-20% either way).
         diff = (ours - ref).abs()
-        assert diff.max().item() <= 0.05 and diff.mean().item() <= 3e-3, prompt
+        assert diff.max().item() <= 0.05 and diff.mean().item() <= 4e-3, prompt
     assert_engine_clean(builtin_llm.engine)
 
 

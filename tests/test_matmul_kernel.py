@@ -269,6 +269,22 @@ def test_every_level_computes_the_same_bits(qtype):
         assert torch.equal(y, first), lv
 
 
+@pytest.mark.parametrize("k", [32, 64, 256, 576, 608])
+def test_every_tile_height_and_tail_gives_a_row_the_same_bits(k):
+    # Tiles of 1-8 rows share each decoded weight block; K picks the tail after whole groups of 8 blocks (none,
+    # a pair, a pair and a single block, a single block alone). Every M from 1 to 17 (one tile up to 8 rows, then
+    # 8 + 8 + 1) and every level must give each row the bits it gets alone.
+    n = 23
+    w = torch.from_numpy(make_raw("Q4_1", n, k, seed=k))
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
+    libs = [kernels.library(lv) for lv in _levels_here()]
+    alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), w, "Q4_1") for i in range(17)])
+    assert rel_err(alone, reference_i16(x, w.numpy(), "Q4_1", n, k)) < TOL
+    for lib in libs:
+        for m in range(1, 18):
+            assert torch.equal(lib.matmul(x[:m], w, "Q4_1"), alone[:m]), (lib.level, m)
+
+
 def test_the_avx512_level_compiles(tmp_path):
     # It cannot run on an AVX2-only machine, but it must build (it is the level an AVX-512 machine picks).
     path = kernels.build(flags=kernels.LEVEL_FLAGS["avx512"], cache_dir=tmp_path)

@@ -10,9 +10,10 @@
  * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble). Each x row is rounded per
  * 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's largest
  * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
- * integer arithmetic; it is scaled by d * dx and accumulated in float, block after block, into two 8-lane
- * accumulators (even / odd blocks), and Q4_1's minimum enters as m * sum(x_block). Decode-sized M is bound by
- * reading W; at prefill sizes 4-row tiles share each decoded block.
+ * integer arithmetic; it is scaled by d * dx and accumulated in float, block after block, into one 8-lane
+ * accumulator, and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Tiles of up to 8 rows
+ * share each decoded block: per row a block costs two vpmaddwd and a few float operations, which on AVX2 is
+ * what a verification (k + 1 rows) or a prefill pays for, more than reading W.
  *
  * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
  */
@@ -26,7 +27,8 @@
 #endif
 
 #define QK 32
-#define MT_MAX 4                     /* x rows per tile */
+#define MT_MAX 8                     /* x rows per tile of quantised weights */
+#define MF_MAX 4                     /* x rows per tile of float weights (2 accumulators each in registers) */
 #define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
 #define MIN_BYTES_PER_THREAD (16 * 1024)
 
@@ -67,10 +69,14 @@ static inline q32 load_q(const uint8_t *blk, int qt) {
     return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
 }
 
-/* Weight rows n0..n1 against MT quantised x rows. Blocks go 8 at a time so that their fp16 scales are
- * converted together; the nb % 8 leftover blocks take the same operations with their scales one by one. Q4_1's
- * m * sum(x_block) terms are summed in a second pass over the row's blocks (in block order, as they would be in
- * the first): that keeps the main loop's accumulators in registers when 4 x rows share a tile. */
+/* Weight rows n0..n1 against MT quantised x rows. A row's arithmetic, the same whatever MT: for each block b in
+ * order, acc = fma(float(the exact int32 lanes of its dot product), d_b * dx_b, acc) into one 8-lane
+ * accumulator; Q4_1 adds acc = fma(m[8], sum(x_block)[8], acc) after each group of 8 blocks and sums the
+ * nb % 8 leftover blocks' m * sum(x_block) into a scalar t in block order; y = lane sum of acc (fixed tree) + t.
+ * One accumulator per row keeps a tile of up to 8 rows in registers, each block unpacked once for all of
+ * them, so a verification of k + 1 <= 8 rows is one pass over the weights. (Two accumulators per row, even
+ * and odd blocks, would halve a one-row tile's dependency chain but do not fit 8 rows in 16 registers; the
+ * one-row tile measured as fast either way: it is bound by unpacking and the dot products.) */
 static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, const float *dx, const float *sx,
                                                          int64_t nb, const uint8_t *w, int64_t ldw, int qt,
                                                          float *y, int64_t ldy, int64_t n0, int64_t n1,
@@ -79,48 +85,39 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
     const int64_t nb8 = nb & ~(int64_t)7;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wrow = w + n * ldw;
-        vf acc[MT_MAX][2];
-        for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = vf_zero();
+        vf acc[MT_MAX];
+        float t[MT_MAX];
+        for (int r = 0; r < MT; r++) acc[r] = vf_zero(), t[r] = 0.0f;
         for (int64_t b = 0; b < nb8; b += 8) {
             const uint8_t *blk = wrow + b * bb;
-            uint16_t dh[8];
-            for (int u = 0; u < 8; u++) dh[u] = kvq_rd16(blk + u * bb);
-            const vf vd = vf_load_half(dh);
+            vf vd, vm;
+            vf_load_half2_strided(blk, bb, &vd, &vm);
             float sc[MT_MAX][8];
             for (int r = 0; r < MT; r++) vf_store(sc[r], vf_mul(vd, vf_load(dx + r * nb + b)));
-            for (int u = 0; u < 8; u += 2) { /* even blocks into acc[r][0], odd ones into acc[r][1] */
+            for (int u = 0; u < 8; u += 2) {
                 const q32 q0 = load_q(blk + u * bb, qt), q1 = load_q(blk + (u + 1) * bb, qt);
                 for (int r = 0; r < MT; r++) {
                     const int16_t *xr = xq + (r * nb + b + u) * QK;
-                    acc[r][0] = vf_fma(vi_to_vf(q32_dot(q0, xr)), vf_set1(sc[r][u]), acc[r][0]);
-                    acc[r][1] = vf_fma(vi_to_vf(q32_dot(q1, xr + QK)), vf_set1(sc[r][u + 1]), acc[r][1]);
+                    acc[r] = vf_fma(vi_to_vf(q32_dot(q0, xr)), vf_set1(sc[r][u]), acc[r]);
+                    acc[r] = vf_fma(vi_to_vf(q32_dot(q1, xr + QK)), vf_set1(sc[r][u + 1]), acc[r]);
                 }
             }
+            if (qt == QT_Q4_1)
+                for (int r = 0; r < MT; r++) acc[r] = vf_fma(vm, vf_load(sx + r * nb + b), acc[r]);
         }
         for (int64_t b = nb8; b < nb; b++) {
             const uint8_t *blk = wrow + b * bb;
             const q32 q = load_q(blk, qt);
             const float d = kvq_half(kvq_rd16(blk));
-            for (int r = 0; r < MT; r++) {
-                const vf p = vi_to_vf(q32_dot(q, xq + (r * nb + b) * QK));
-                acc[r][b & 1] = vf_fma(p, vf_set1(d * dx[r * nb + b]), acc[r][b & 1]);
-            }
+            for (int r = 0; r < MT; r++)
+                acc[r] = vf_fma(vi_to_vf(q32_dot(q, xq + (r * nb + b) * QK)), vf_set1(d * dx[r * nb + b]), acc[r]);
         }
-        vf off[MT_MAX];
-        float tail[MT_MAX];
-        for (int r = 0; r < MT; r++) off[r] = vf_zero(), tail[r] = 0.0f;
-        if (qt == QT_Q4_1) {
-            for (int64_t b = 0; b < nb8; b += 8) {
-                uint16_t mh[8];
-                for (int u = 0; u < 8; u++) mh[u] = kvq_rd16(wrow + (b + u) * bb + 2);
-                const vf vm = vf_load_half(mh);
-                for (int r = 0; r < MT; r++) off[r] = vf_fma(vm, vf_load(sx + r * nb + b), off[r]);
+        if (qt == QT_Q4_1)
+            for (int64_t b = nb8; b < nb; b++) {
+                const float m = kvq_half(kvq_rd16(wrow + b * bb + 2));
+                for (int r = 0; r < MT; r++) t[r] = t[r] + m * sx[r * nb + b];
             }
-            for (int64_t b = nb8; b < nb; b++)
-                for (int r = 0; r < MT; r++)
-                    tail[r] = tail[r] + kvq_half(kvq_rd16(wrow + b * bb + 2)) * sx[r * nb + b];
-        }
-        for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(vf_add(vf_add(acc[r][0], acc[r][1]), off[r])) + tail[r];
+        for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(acc[r]) + t[r];
     }
 }
 
@@ -137,7 +134,12 @@ KVQ_TILE_Q(1)
 KVQ_TILE_Q(2)
 KVQ_TILE_Q(3)
 KVQ_TILE_Q(4)
-static const tile_q_fn tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, tile_q4};
+KVQ_TILE_Q(5)
+KVQ_TILE_Q(6)
+KVQ_TILE_Q(7)
+KVQ_TILE_Q(8)
+static const tile_q_fn tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, tile_q4,
+                                              tile_q5, tile_q6, tile_q7, tile_q8};
 
 /* ---- float weights ---- */
 
@@ -158,8 +160,8 @@ static inline __attribute__((always_inline)) void tile_f(const float *x, int64_t
                                                          int64_t n1, const int MT) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wrow = w + n * ldw;
-        vf acc[MT_MAX][2];
-        float tail[MT_MAX];
+        vf acc[MF_MAX][2];
+        float tail[MF_MAX];
         for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = vf_zero(), tail[r] = 0.0f;
         int64_t k = 0;
         for (; k + 16 <= K; k += 16) { /* even groups of 8 into acc[r][0], odd ones into acc[r][1] */
@@ -195,7 +197,7 @@ KVQ_TILE_F(1)
 KVQ_TILE_F(2)
 KVQ_TILE_F(3)
 KVQ_TILE_F(4)
-static const tile_f_fn tiles_f[MT_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, tile_f4};
+static const tile_f_fn tiles_f[MF_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, tile_f4};
 
 /* ---- driver ---- */
 
@@ -212,10 +214,11 @@ struct job {
 static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
     const int64_t nc = W_SLAB_BYTES / j->ldw > 0 ? W_SLAB_BYTES / j->ldw : 1;
     const int64_t nb = j->K / QK;
+    const int mt = j->xq ? MT_MAX : MF_MAX;
     for (int64_t c0 = n0; c0 < n1; c0 += nc) {
         const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
-        for (int64_t r = 0; r < j->M; r += MT_MAX) {
-            const int64_t h = j->M - r < MT_MAX ? j->M - r : MT_MAX;
+        for (int64_t r = 0; r < j->M; r += mt) {
+            const int64_t h = j->M - r < mt ? j->M - r : mt;
             if (j->xq)
                 tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
                            j->y + r * j->ldy, j->ldy, c0, c1);

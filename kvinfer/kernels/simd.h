@@ -110,6 +110,21 @@ static inline vi vi_hsum8x8(const int32_t *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* The fp16 fields at p + u * stride (d) and p + 2 + u * stride (m) of 8 blocks, as floats. Built in registers:
+ * 8 small stores read back as one vector cannot be forwarded, and a gather is slower still on AMD. */
+static inline void vf_load_half2_strided(const uint8_t *p, int stride, vf *d, vf *m) {
+    __m128i g[8];
+    for (int u = 0; u < 8; u++) g[u] = _mm_loadu_si32(p + u * stride);
+    const __m128i g01 = _mm_unpacklo_epi32(g[0], g[1]), g23 = _mm_unpacklo_epi32(g[2], g[3]);
+    const __m128i g45 = _mm_unpacklo_epi32(g[4], g[5]), g67 = _mm_unpacklo_epi32(g[6], g[7]);
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi64(g01, g23)),
+                                              _mm_unpacklo_epi64(g45, g67), 1);
+    const __m256i dm = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(v, 16)), 0xd8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+}
+
 /* Lane r: ((v[r]0 + v[r]1) + (v[r]2 + v[r]3)) + ((v[r]4 + v[r]5) + (v[r]6 + v[r]7)) for 8 vectors at v. */
 static inline vf vf_hsum8x8(const float *v) {
     const __m256 h01 = _mm256_hadd_ps(vf_load(v), vf_load(v + 8)), h23 = _mm256_hadd_ps(vf_load(v + 16), vf_load(v + 24));
@@ -230,6 +245,13 @@ static inline vi vi_hsum8x8(const int32_t *v) {
         r.v[i] = (int32_t)t;
     }
     return r;
+}
+
+static inline void vf_load_half2_strided(const uint8_t *p, int stride, vf *d, vf *m) {
+    for (int u = 0; u < 8; u++) {
+        d->v[u] = kvq_half(kvq_rd16(p + u * stride));
+        m->v[u] = kvq_half(kvq_rd16(p + u * stride + 2));
+    }
 }
 
 static inline vf vf_hsum8x8(const float *v) {
