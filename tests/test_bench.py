@@ -21,7 +21,7 @@ def test_bench_throughput_json_counts_and_ratio(tiny_llama_dir, capsys):
     assert hf["name"] == "transformers (static batches of 2)" and hf["useful_tokens"] == ours["generated"]
     assert hf["kvinfer_vs_this"] == ours["tps"] / hf["tps"]
     assert 0.5 < ours["kv_utilisation"] <= 1.0 and 0 < ours["peak_blocks"] <= ours["total_blocks"]
-    assert ours["kv_bytes"] == 8 << 20 and ours["overhead_bytes"] == ours["peak_rss"] - ours["weights_bytes"] - (8 << 20)
+    assert ours["kv_bytes"] == 8 << 20 and ours["peak_rss"] > ours["weights_bytes"]
 
 
 def test_bench_throughput_prints_ours_before_the_peers(tiny_llama_dir, capsys):
