@@ -131,11 +131,29 @@ def test_speculation_pauses_while_verification_steps_emit_fewer_tokens_per_secon
     for _ in range(MIN_SAMPLES):
         rates.observe(0.020, 3, speculated=True)  # 150 tokens/s: speculation pays
     rates.observe(0.030, 1, speculated=True)  # one poor step: 33 tokens/s, but the recent total still pays
-    assert rates.paused == 0 and rates.rate(True) > rates.rate(False)
+    assert rates.paused() == 0 and rates.rate(True) > rates.rate(False)
     for _ in range(2):
         rates.observe(0.040, 2, speculated=True)  # 50 tokens/s: it no longer does (judged anew after a pause)
-    assert rates.paused == 10 and rates.num_pauses == 1 and rates.samples[True] < MIN_SAMPLES
+    assert rates.paused() == 10 and rates.num_pauses == 1 and rates.classes[0].samples[True] < MIN_SAMPLES
     assert not any(rates.allow() for _ in range(10)) and rates.allow()  # then it measures again
+
+
+def test_speculation_is_judged_per_batch_size_class():
+    from kvinfer.spec.speculator import MIN_SAMPLES, StepRates, batch_class
+
+    assert [batch_class(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 500)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    rates = StepRates(probe_every=4, pause_steps=10)
+    # 16 sequences: a plain step emits 16 tokens in 40 ms; verification steps 40 tokens in 200 ms -> slower.
+    rates.observe(0.040, 16, speculated=False, num_seqs=16)
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.200, 40, speculated=True, num_seqs=18)
+    # 1 sequence: 1 token in 10 ms plain, 3 in 20 ms verified -> pays. A slow big step must not pause it, and the
+    # big steps' higher tokens/s must not make these look poor.
+    rates.observe(0.010, 1, speculated=False, num_seqs=1)
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.020, 3, speculated=True, num_seqs=1)
+    assert rates.paused(16) == 10 and rates.paused(20) == 10 and rates.paused(1) == 0
+    assert not rates.allow(17) and rates.allow(1)
 
 
 def test_generate_summary_reports_acceptance():

@@ -322,7 +322,8 @@ class LLMEngine:
             if self.speculator is not None:
                 if all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled):  # decode only
                     self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
-                                                  any(s.spec_token_ids for s in sched.scheduled))
+                                                  any(s.spec_token_ids for s in sched.scheduled),
+                                                  len(sched.scheduled))
                 self.speculator.release(self.scheduler.running)
                 self.stats.update(self.speculator.metrics())
         outs = []

@@ -16,16 +16,10 @@ PAUSE_STEPS = 64
 MIN_SAMPLES = 4  # verification steps measured (again) before they are judged
 
 
-class StepRates:
-    """Speculation judged by what it buys: tokens per second of decode steps with verification vs without.
+class _Rates:
+    """Decayed tokens and seconds of decode steps with and without verification, for one batch-size class."""
 
-    Acceptance alone cannot say whether proposals pay: a verified row costs what the machine and model make it
-    cost (on a small model on a CPU, a third of a one-row step), so the engine times its decode steps and
-    proposals stop while verification steps are the slower way to emit tokens.
-    """
-
-    def __init__(self, probe_every: int = PROBE_EVERY, pause_steps: int = PAUSE_STEPS):
-        self.probe_every, self.pause_steps = probe_every, pause_steps
+    def __init__(self):
         # Exponentially decayed sums of tokens and seconds: their ratio weighs a step by its length, as
         # throughput does (an average of per-step rates would let a few short steps dominate).
         self.tokens = {True: 0.0, False: 0.0}
@@ -33,33 +27,70 @@ class StepRates:
         self.samples = {True: 0, False: 0}
         self.paused = 0  # steps left without proposals
         self.steps = 0
-        self.num_pauses = 0
-
-    def allow(self) -> bool:
-        """Whether this step may propose."""
-        self.steps += 1
-        if self.paused > 0:
-            self.paused -= 1
-            return False
-        return not (self.probe_every and self.steps % self.probe_every == 0)
-
-    def observe(self, seconds: float, tokens: int, speculated: bool) -> None:
-        """One decode-only step: its wall time and the tokens it emitted."""
-        if seconds <= 0:
-            return
-        keep = 0.9 if self.samples[speculated] else 0.0
-        self.tokens[speculated] = keep * self.tokens[speculated] + tokens
-        self.seconds[speculated] = keep * self.seconds[speculated] + seconds
-        self.samples[speculated] += 1
-        if (speculated and self.samples[True] >= MIN_SAMPLES and self.samples[False] > 0
-                and self.rate(True) < self.rate(False)):
-            self.paused = self.pause_steps
-            self.samples[True] = 0  # judged afresh after the pause
-            self.num_pauses += 1
 
     def rate(self, speculated: bool) -> float:
-        """Tokens per second of recent decode steps with (True) or without verification."""
         return self.tokens[speculated] / self.seconds[speculated] if self.seconds[speculated] else 0.0
+
+
+def batch_class(num_seqs: int) -> int:
+    """Steps are compared within classes of sequence counts 1, 2-3, 4-7, 8-15, 16-31, 32+."""
+    return min(5, max(1, num_seqs).bit_length() - 1)
+
+
+class StepRates:
+    """Speculation judged by what it buys: tokens per second of decode steps with verification vs without.
+
+    Acceptance alone cannot say whether proposals pay: a verified row costs what the machine and model make it
+    cost (on a small model on a CPU, a third of a one-row step), so the engine times its decode steps and
+    proposals stop while verification steps are the slower way to emit tokens. The comparison is made per class
+    of batch size: a step of 16 sequences is bound by arithmetic where one of 1 is bound by reading weights, so
+    speculation can pay at one and not at the other, and as a batch drains, rates measured at different sizes
+    are not comparable.
+    """
+
+    def __init__(self, probe_every: int = PROBE_EVERY, pause_steps: int = PAUSE_STEPS):
+        self.probe_every, self.pause_steps = probe_every, pause_steps
+        self.classes: dict[int, _Rates] = {}
+        self.num_pauses = 0
+
+    def _of(self, num_seqs: int) -> _Rates:
+        c = batch_class(num_seqs)
+        if c not in self.classes:
+            self.classes[c] = _Rates()
+        return self.classes[c]
+
+    def allow(self, num_seqs: int = 1) -> bool:
+        """Whether a step of about `num_seqs` decoding sequences may propose."""
+        r = self._of(num_seqs)
+        r.steps += 1
+        if r.paused > 0:
+            r.paused -= 1
+            return False
+        return not (self.probe_every and r.steps % self.probe_every == 0)
+
+    def observe(self, seconds: float, tokens: int, speculated: bool, num_seqs: int = 1) -> None:
+        """One decode-only step of `num_seqs` sequences: its wall time and the tokens it emitted."""
+        if seconds <= 0:
+            return
+        r = self._of(num_seqs)
+        keep = 0.9 if r.samples[speculated] else 0.0
+        r.tokens[speculated] = keep * r.tokens[speculated] + tokens
+        r.seconds[speculated] = keep * r.seconds[speculated] + seconds
+        r.samples[speculated] += 1
+        if (speculated and r.samples[True] >= MIN_SAMPLES and r.samples[False] > 0
+                and r.rate(True) < r.rate(False)):
+            r.paused = self.pause_steps
+            r.samples[True] = 0  # judged afresh after the pause
+            self.num_pauses += 1
+
+    def rate(self, speculated: bool, num_seqs: int = 1) -> float:
+        """Tokens per second of recent decode steps of about `num_seqs` sequences, with (True) or without
+        verification."""
+        return self._of(num_seqs).rate(speculated)
+
+    def paused(self, num_seqs: int = 1) -> int:
+        """Steps left without proposals for steps of about `num_seqs` sequences."""
+        return self._of(num_seqs).paused
 
 
 @dataclass
@@ -99,7 +130,7 @@ class Speculator:
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Sets spec_token_ids (and spec_probs) on the running requests that should propose this step."""
         cands = []
-        allowed = self.rates.allow()
+        allowed = self.rates.allow(len(running))
         for r in running:
             r.spec_token_ids, r.spec_probs = [], None
             if not allowed:
