@@ -83,9 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     if with_kv_cache:
         g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
                        help=f"KV cache backend (default: {kv_default}); none recomputes every step")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="KV cache element type: auto (the model's dtype), int8 or fp8 (e4m3), each with a float32 "
-                        "scale per token and KV head: about a quarter of float32's bytes per token")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "bfloat16"],
+                   help="KV cache element type: auto (the model's dtype); int8 or fp8 (e4m3), each with a float32 "
+                        "scale per 32 values: about a quarter of float32's bytes per token; bfloat16 (with "
+                        "float32 activations): half of float32's bytes, values rounded, no scales")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget fixed at start-up, e.g. 2GiB, 512MiB; with weights it must fit in the "
                         "available memory (default: 1GiB unless --kv-cache-fraction is given)")

@@ -359,13 +359,25 @@ def preset_config(name: str) -> ModelConfig:
 
 
 KV_BACKENDS = ("paged", "contiguous", "none")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the model's dtype; int8 / fp8 (e4m3): 8 bits + a scale per row
+# auto: the model's dtype; int8 / fp8 (e4m3): 8 bits + a scale per group of 32 values; bfloat16: 16 bits, no scale
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "bfloat16")
+KV_8BIT = ("int8", "fp8")
 KV_GROUP = 32  # an 8-bit cache has a float32 scale per group of this many values of a row (or per row if D % 32)
 
 
 def kv_scale_bytes(head_dim: int) -> int:
     """Bytes of scales per K or V row (one token, one kv head) of an 8-bit cache."""
     return 4 * (head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1)
+
+
+def kv_element_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes per K or V value, bytes of scales per K or V row) of a cache of `kv_cache_dtype` ("auto": the model's
+    dtype of `dtype_bytes`)."""
+    if kv_cache_dtype in KV_8BIT:
+        return 1, kv_scale_bytes(head_dim)
+    if kv_cache_dtype == "bfloat16":
+        return 2, 0
+    return dtype_bytes, 0
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

@@ -1,4 +1,5 @@
-"""`kvinfer bench kv-attention`: decode attention over a long context, float32 vs int8 vs fp8 cache, same run."""
+"""`kvinfer bench kv-attention`: decode attention over a long context, float32 vs int8, fp8 and bfloat16 caches, same
+run."""
 from __future__ import annotations
 
 import json
@@ -7,16 +8,16 @@ import time
 
 # The built-in model's attention shapes (SmolLM2-135M: 9 query heads sharing 3 KV heads of 64 values).
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-DTYPES = ("float32", "int8", "fp8")
+DTYPES = ("float32", "int8", "fp8", "bfloat16")
 
 
 def register_kv_attention(bs) -> None:
     from kvinfer.cli import int_at_least
 
-    p = bs.add_parser("kv-attention", help="decode attention per KV cache dtype (float32, int8, fp8)",
+    p = bs.add_parser("kv-attention", help="decode attention per KV cache dtype (float32, int8, fp8, bfloat16)",
                       description="One decode query over --context positions of a paged cache (the built-in "
                                   "model's shapes: 9 heads, 3 KV heads, head dim 64, block 16, shuffled blocks), "
-                                  "through the attention kernel with a float32, an int8 and an fp8 pool holding "
+                                  "through the attention kernel with a float32, an int8, an fp8 and a bfloat16 pool holding "
                                   "the same keys and values; the dtypes take turns within each round, and each "
                                   "reports its best round (us per call) and its speed relative to float32.")
     p.add_argument("--context", type=int_at_least("--context", 16, 1 << 20), default=4096,
@@ -52,9 +53,11 @@ def measure(context: int, calls: int, rounds: int, threads: int | None = None, s
         pool = {}
         for name, x in (("k", k), ("v", v)):
             codes = torch.zeros(nb * BLOCK, KV_HEADS, HEAD_DIM, dtype=kernels.KV_STORAGE[dt])
-            scales = torch.zeros(nb * BLOCK, KV_HEADS, HEAD_DIM // 32)
+            scales = torch.zeros(nb * BLOCK, KV_HEADS, HEAD_DIM // 32) if dt in kernels.KV_SCALED else None
             lib.kv_store(x, codes, scales, torch.arange(nb * BLOCK) * KV_HEADS * HEAD_DIM, HEAD_DIM, dt)
-            pool[name], pool[f"{name}_scale"] = codes.view(shape), scales.view(*shape[:-1], -1)
+            pool[name] = codes.view(shape)
+            if scales is not None:
+                pool[f"{name}_scale"] = scales.view(*shape[:-1], -1)
         args[dt] = dict(kv_dtype=dt, **pool)
     outs = {}
 
@@ -66,7 +69,7 @@ def measure(context: int, calls: int, rounds: int, threads: int | None = None, s
     for dt in DTYPES:
         outs[dt] = call(dt)  # warm-up (and the outputs compared below)
     for r in range(rounds):
-        for dt in DTYPES[r % 3:] + DTYPES[:r % 3]:  # take turns, so a burst of load hits every dtype alike
+        for dt in DTYPES[r % len(DTYPES):] + DTYPES[:r % len(DTYPES)]:  # take turns, so a burst of load hits every dtype alike
             t0 = time.perf_counter()
             for _ in range(calls):
                 call(dt)
@@ -78,7 +81,8 @@ def measure(context: int, calls: int, rounds: int, threads: int | None = None, s
         rows.append(dict(kv_dtype=dt, us_per_call=best * 1e6, speed_vs_float32=min(times["float32"]) / best,
                          median_round_ratio=statistics.median(f / t for f, t in zip(times["float32"], times[dt])),
                          max_abs_diff_vs_float32=float((outs[dt] - ref).abs().max()),
-                         kv_bytes_per_position=(4 if dt == "float32" else 1 + 4 / 32) * 2 * KV_HEADS * HEAD_DIM))
+                         kv_bytes_per_position={"float32": 4, "bfloat16": 2}.get(dt, 1 + 4 / 32)
+                         * 2 * KV_HEADS * HEAD_DIM))
     return dict(context=context, calls=calls, rounds=rounds, threads=threads or torch.get_num_threads(),
                 level=kernels.level(), rows=rows)
 

@@ -53,8 +53,9 @@ LEVEL_FLAGS = {
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # KV cache element types: float32, or 8-bit values with a float32 scale per group of 32 values of a row.
-KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2}
-KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 = e4m3 bit patterns
+KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2, "bfloat16": 3}
+KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16}  # fp8 = e4m3 bit patterns
+KV_SCALED = ("int8", "fp8")  # caches with a float32 scale per group of 32 values
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
            -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
@@ -251,7 +252,8 @@ class Kernels:
         tok_seq[t], whose keys / values sit in k / v at table[p // block_size] * strides[0] + (p % block_size) *
         strides[1] + kv_head * strides[2] (in elements). tables int64 [S, blocks]. Returns out [T, H, D].
         kv_dtype int8 / fp8: k, v hold 8-bit values (torch.int8 / torch.uint8 e4m3 bits) and k_scale / v_scale
-        float32 the scale of each group of 32 values (of each row if D % 32) at the group's offset / its size."""
+        float32 the scale of each group of 32 values (of each row if D % 32) at the group's offset / its size;
+        bfloat16: k, v torch.bfloat16, no scales."""
         T, H, D = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError(f"q must be float32 [T, H, D] with contiguous heads, got {q.dtype} {tuple(q.shape)}")
@@ -262,8 +264,9 @@ class Kernels:
         for name, t in (("k", k), ("v", v)):
             if t.dtype != want or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a {want} CPU tensor for a {kv_dtype} cache")
-        if kvt and (k_scale is None or v_scale is None or k_scale.dtype != torch.float32
-                    or v_scale.dtype != torch.float32):
+        scaled = kv_dtype in KV_SCALED
+        if scaled and (k_scale is None or v_scale is None or k_scale.dtype != torch.float32
+                       or v_scale.dtype != torch.float32):
             raise ValueError("an 8-bit cache needs float32 k_scale and v_scale")
         for name, t in (("tables", tables), ("tok_seq", tok_seq), ("tok_pos", tok_pos)):
             if t.dtype != torch.int64 or not t.is_contiguous():
@@ -282,7 +285,8 @@ class Kernels:
             alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
             slopes = alibi_slopes.data_ptr()
         job = AttnJob(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
-                      k_scale.data_ptr() if kvt else None, v_scale.data_ptr() if kvt else None, tables.data_ptr(),
+                      k_scale.data_ptr() if scaled else None, v_scale.data_ptr() if scaled else None,
+                      tables.data_ptr(),
                       tok_seq.data_ptr(), tok_pos.data_ptr(), slopes, T, H, kvh, D, block_size, num_blocks,
                       tables.shape[1], q.stride(0) if T > 1 else H * D, out.stride(0) if T > 1 else H * D,
                       strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads), kvt)
@@ -347,16 +351,22 @@ class Kernels:
                                    sin.data_ptr(), nt)
         return True
 
-    def kv_store(self, x: torch.Tensor, dst: torch.Tensor, dst_scale: torch.Tensor, offsets: torch.Tensor,
+    def kv_store(self, x: torch.Tensor, dst: torch.Tensor, dst_scale: Optional[torch.Tensor], offsets: torch.Tensor,
                  head_stride: int, kv_dtype: str) -> None:
-        """Quantise x [T, kv_heads, D] (float32, heads contiguous within a row) into an 8-bit cache: row t, head g
-        at element offsets[t] + g * head_stride of dst, each group's scale at its offset / group size."""
+        """Quantise x [T, kv_heads, D] (float32, heads contiguous within a row) into an 8-bit or bfloat16 cache:
+        row t, head g at element offsets[t] + g * head_stride of dst, an 8-bit cache's group scales at their
+        offset / group size in dst_scale (None for bfloat16)."""
+        if kv_dtype not in KV_STORAGE or dst.dtype != KV_STORAGE[kv_dtype] or \
+                (kv_dtype in KV_SCALED) != (dst_scale is not None):
+            raise ValueError(f"kv_store: a {kv_dtype} cache stores into {KV_STORAGE.get(kv_dtype)} with "
+                             f"{'float32 scales' if kv_dtype in KV_SCALED else 'no scales'}")
         T, KVH, D = x.shape
         if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D:
             x = x.contiguous()
         offsets = offsets.to(torch.int64).contiguous()
         self.lib.kvq_kv_store(x.data_ptr(), T, x.stride(0) if T > 1 else KVH * D, KVH, D, offsets.data_ptr(),
-                              head_stride, dst.data_ptr(), dst_scale.data_ptr(), KV_DTYPES[kv_dtype])
+                              head_stride, dst.data_ptr(), None if dst_scale is None else dst_scale.data_ptr(),
+                              KV_DTYPES[kv_dtype])
 
     def fp8_values(self) -> torch.Tensor:
         """The 256 e4m3 values, by bit pattern (NaN for 0x7f and 0xff)."""

@@ -107,8 +107,26 @@ static inline void rotate(float *x, int64_t D, float mul) {
 
 static inline int kv_rotated(int64_t D) { return D % KV_GROUP == 0; }
 
+/* float32 -> bfloat16, round to nearest even (NaN kept a quiet NaN): integer arithmetic, the same bits on every
+ * level. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 void kvq_kv_store(const float *src, int64_t T, int64_t src_stride, int64_t KVH, int64_t D, const int64_t *dst_off,
                   int64_t head_stride, void *dst, float *dst_scale, int kv_dtype) {
+    if (kv_dtype == KV_BF16) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < KVH; g++) {
+                const float *x = src + t * src_stride + g * D;
+                uint16_t *q = (uint16_t *)dst + dst_off[t] + g * head_stride;
+                for (int64_t i = 0; i < D; i++) q[i] = bf16_round(x[i]);
+            }
+        return;
+    }
     const float top = kv_dtype == KV_INT8 ? 127.0f : 448.0f;
     const int64_t GS = kv_group(D);
     for (int64_t t = 0; t < T; t++)
@@ -144,6 +162,7 @@ void kvq_kv_store(const float *src, int64_t T, int64_t src_stride, int64_t KVH, 
 /* 8 cache values at p as floats (exact: int8 and e4m3 values are all floats). */
 static inline __attribute__((always_inline)) vf load8(const void *p, int64_t i, const int DT) {
     if (DT == KV_F32) return vf_load((const float *)p + i);
+    if (DT == KV_BF16) return vf_load_bf16((const uint16_t *)p + i);
     if (DT == KV_INT8) return vf_load_i8((const int8_t *)p + i);
     float t[8];
     for (int l = 0; l < 8; l++) t[l] = fp8_table[((const uint8_t *)p)[i + l]];
@@ -152,12 +171,15 @@ static inline __attribute__((always_inline)) vf load8(const void *p, int64_t i, 
 
 static inline __attribute__((always_inline)) float load1(const void *p, int64_t i, const int DT) {
     if (DT == KV_F32) return ((const float *)p)[i];
+    if (DT == KV_BF16) return kvq_bf16(((const uint16_t *)p)[i]);
     if (DT == KV_INT8) return (float)((const int8_t *)p)[i];
     return fp8_table[((const uint8_t *)p)[i]];
 }
 
 static inline __attribute__((always_inline)) const void *at(const void *base, int64_t off, const int DT) {
-    return DT == KV_F32 ? (const void *)((const float *)base + off) : (const void *)((const uint8_t *)base + off);
+    if (DT == KV_F32) return (const void *)((const float *)base + off);
+    if (DT == KV_BF16) return (const void *)((const uint16_t *)base + off);
+    return (const void *)((const uint8_t *)base + off);
 }
 
 /* dot(q, k) over D for a cache row of type DT: the same operations as dot() on the row's float values. */
@@ -192,7 +214,7 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
         const int64_t off = table[bi] * j->block_stride + o * j->tok_stride + hoff;
         const void *k = at(j->k, off, DT);
         for (int64_t h = 0; h < G; h++) {
-            if (DT == KV_F32) {
+            if (!KV_IS_8BIT(DT)) {
                 s[h * n + p - p0] = dot_kv(q + h * D, k, D, DT) * j->scale;
                 continue;
             }
@@ -225,7 +247,7 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
                 const void *v = at(j->v, off, DT);
                 const float pw = s[h * n + p - p0];
                 for (int i = 0; i < 8; i++) {
-                    const float w = DT == KV_F32 ? pw : pw * j->v_scale[(off + 8 * i) / GS];
+                    const float w = !KV_IS_8BIT(DT) ? pw : pw * j->v_scale[(off + 8 * i) / GS];
                     a[i] = vf_fma(vf_set1(w), load8(v, 8 * i, DT), a[i]);
                 }
                 if (++o == j->BS) o = 0, bi++;
@@ -240,7 +262,7 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
         for (int64_t h = 0; h < G; h++) {
             float *o_ = part + h * (D + 2) + 2;
             for (int64_t c = 0; c < D; c += GS) { /* each group with its own scale: w = p * v_scale */
-                const float w = DT == KV_F32 ? s[h * n + p - p0] : s[h * n + p - p0] * j->v_scale[(off + c) / GS];
+                const float w = !KV_IS_8BIT(DT) ? s[h * n + p - p0] : s[h * n + p - p0] * j->v_scale[(off + c) / GS];
                 const int64_t e = c + GS;
                 int64_t i = c;
                 const vf pp = vf_set1(w);
@@ -452,16 +474,17 @@ static void piece8_dt(const struct kvq_attn *j, int64_t t, int64_t g, int64_t p0
 static size_t piece_scratch(const struct kvq_attn *j) {
     const int64_t G = j->H / j->KVH;
     const size_t plain = sizeof(float) * (size_t)(G * CHUNK);
-    if (j->kv_dtype == KV_F32 || !kv_rotated(j->D)) return plain;
+    if (!KV_IS_8BIT(j->kv_dtype) || !kv_rotated(j->D)) return plain;
     const size_t fast = p8_layout(G, j->D, NULL, NULL);
     return fast > plain ? fast : plain;
 }
 
 static void piece(const struct kvq_attn *j, int64_t t, int64_t g, int64_t p0, int64_t p1, char *s, float *part) {
-    if (j->kv_dtype != KV_F32 && kv_rotated(j->D))
+    if (KV_IS_8BIT(j->kv_dtype) && kv_rotated(j->D))
         piece8_dt(j, t, g, p0, p1, s, part, j->kv_dtype == KV_INT8 ? KV_INT8 : KV_FP8);
     else if (j->kv_dtype == KV_INT8) piece_dt(j, t, g, p0, p1, (float *)s, part, KV_INT8);
     else if (j->kv_dtype == KV_FP8) piece_dt(j, t, g, p0, p1, (float *)s, part, KV_FP8);
+    else if (j->kv_dtype == KV_BF16) piece_dt(j, t, g, p0, p1, (float *)s, part, KV_BF16);
     else piece_dt(j, t, g, p0, p1, (float *)s, part, KV_F32);
 }
 
@@ -499,7 +522,7 @@ static void merge(const float *part, int64_t C, int64_t G, int64_t D, float *out
 /* merge(), then out of a rotated 8-bit cache's space (see rotate). */
 static void merge_out(const struct kvq_attn *j, const float *part, int64_t C, int64_t G, float *out) {
     merge(part, C, G, j->D, out);
-    if (j->kv_dtype != KV_F32 && kv_rotated(j->D)) rotate(out, j->D, 1.0f / KV_GROUP);
+    if (KV_IS_8BIT(j->kv_dtype) && kv_rotated(j->D)) rotate(out, j->D, 1.0f / KV_GROUP);
 }
 
 static inline int64_t num_pieces(const struct kvq_attn *j, int64_t t) {
@@ -510,9 +533,9 @@ int kvq_attention(const struct kvq_attn *jp) {
     const struct kvq_attn j = *jp;
     if (j.T < 0 || j.H <= 0 || j.KVH <= 0 || j.H % j.KVH || j.D <= 0 || j.BS <= 0 || j.NB <= 0 ||
         j.table_stride <= 0 || j.q_stride < j.H * j.D || j.out_stride < j.H * j.D || j.kv_dtype < KV_F32 ||
-        j.kv_dtype > KV_FP8)
+        j.kv_dtype > KV_BF16)
         return KVQ_EBADSHAPE;
-    if (j.kv_dtype != KV_F32 && (!j.k_scale || !j.v_scale || j.block_stride % kv_group(j.D) ||
+    if (KV_IS_8BIT(j.kv_dtype) && (!j.k_scale || !j.v_scale || j.block_stride % kv_group(j.D) ||
                                  j.tok_stride % kv_group(j.D) || j.head_stride % kv_group(j.D)))
         return KVQ_EBADSHAPE; /* an 8-bit cache's scales sit at the groups' offsets / group size */
     for (int64_t t = 0; t < j.T; t++) {

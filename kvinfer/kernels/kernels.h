@@ -8,8 +8,10 @@ enum {
     KVQ_OK = 0, KVQ_EBADTYPE = -1, KVQ_EBADSHAPE = -2, KVQ_ENOMEM = -4, KVQ_EROWBYTES = -5, KVQ_EBADBLOCK = -6
 };
 enum { QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_BF16 = 30 };
-/* KV cache element types: float32, or 8-bit values (int8, or fp8 e4m3) with a float32 scale per group of 32. */
-enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2 };
+/* KV cache element types: float32; 8-bit values (int8, or fp8 e4m3) with a float32 scale per group of 32;
+ * bfloat16 (the float32 value rounded to nearest even, no scale). */
+enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
+#define KV_IS_8BIT(dt) ((dt) == KV_INT8 || (dt) == KV_FP8)
 
 /* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k] (+ bias[n]); W rows of ldw bytes of type qt. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
@@ -34,8 +36,9 @@ struct kvq_attn {
 };
 int kvq_attention(const struct kvq_attn *j);
 
-/* Quantise T rows of KVH heads x D floats (row stride src_stride) into an 8-bit cache: row t, head g goes to
- * element dst_off[t] + g * head_stride of dst, each group's scale to its element offset / group size. */
+/* Quantise T rows of KVH heads x D floats (row stride src_stride) into an 8-bit or bfloat16 cache: row t, head g
+ * goes to element dst_off[t] + g * head_stride of dst; an 8-bit cache's group scales go to the group's element
+ * offset / group size (dst_scale is not used for bfloat16). */
 void kvq_kv_store(const float *src, int64_t T, int64_t src_stride, int64_t KVH, int64_t D, const int64_t *dst_off,
                   int64_t head_stride, void *dst, float *dst_scale, int kv_dtype);
 float kvq_fp8_value(uint8_t b);

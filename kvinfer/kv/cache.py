@@ -41,8 +41,11 @@ class _Backend:
         self.num_layers = num_layers
         self.device = torch.device(device)
         self.dtype = dtype
-        # "float32"-like storage in the model's dtype, or an 8-bit cache (int8 / fp8) with per-row scales that
-        # only the attention kernel reads.
+        # Storage in the model's dtype ("auto"), or a cache that only the attention kernel reads, for float32
+        # activations: 8-bit (int8 / fp8) with a scale per 32 values, or bfloat16 (a bfloat16 model's own dtype
+        # already: "auto").
+        if kv_dtype == "bfloat16" and dtype == torch.bfloat16:
+            kv_dtype = "auto"
         self.kv_dtype = kv_dtype if kv_dtype in kernels.KV_STORAGE else "auto"
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
@@ -72,15 +75,16 @@ class _Backend:
         store = kernels.KV_STORAGE[self.kv_dtype] if self.quantized else self.dtype
         self.k = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
         self.v = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
-        if self.quantized:  # a scale per group of KV_GROUP values of each row
+        if self.kv_dtype in kernels.KV_SCALED:  # a scale per group of KV_GROUP values of each row
             sshape = (*shape[:-1], kv_scale_bytes(shape[-1]) // 4)
             self.k_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
             self.v_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
 
     def _store_quantized(self, layer: int, k, v, offsets: torch.Tensor, head_stride: int) -> None:
         lib = kernels.active()
-        lib.kv_store(k, self.k[layer], self.k_scale[layer], offsets, head_stride, self.kv_dtype)
-        lib.kv_store(v, self.v[layer], self.v_scale[layer], offsets, head_stride, self.kv_dtype)
+        scaled = self.kv_dtype in kernels.KV_SCALED
+        lib.kv_store(k, self.k[layer], self.k_scale[layer] if scaled else None, offsets, head_stride, self.kv_dtype)
+        lib.kv_store(v, self.v[layer], self.v_scale[layer] if scaled else None, offsets, head_stride, self.kv_dtype)
 
     def _kernel_md(self, seqs: Sequence[SeqSlice], tables: torch.Tensor, block_size: int,
                    num_blocks: int) -> KernelAttn:
@@ -101,12 +105,13 @@ class _Backend:
         km = md.kernel
         keys, values, strides, kvh = self._kernel_kv(layer, k, v)
         q8 = self.quantized and keys is self.k[layer]  # (the none backend attends to its fresh float K/V)
+        scaled = q8 and self.kv_dtype in kernels.KV_SCALED
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
                                  alibi_slopes=self.alibi, sliding_window=self.sliding_window,
                                  kv_dtype=self.kv_dtype if q8 else "float32",
-                                 k_scale=self.k_scale[layer] if q8 else None,
-                                 v_scale=self.v_scale[layer] if q8 else None)
+                                 k_scale=self.k_scale[layer] if scaled else None,
+                                 v_scale=self.v_scale[layer] if scaled else None)
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from kvinfer.config import EngineConfig, ModelConfig, kv_scale_bytes
+from kvinfer.config import EngineConfig, ModelConfig, kv_element_bytes
 from kvinfer.errors import ValidationError
 from kvinfer.kv.interface import KVManager
 from kvinfer.kv.manager import NullManager, PagedKVManager, SlotManager
@@ -31,7 +31,7 @@ class KVSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    kv_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8
+    kv_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 | bfloat16
     enable_prefix_caching: bool = True
     sliding_window: Optional[int] = None
 
@@ -43,10 +43,8 @@ def kv_storage_dtype(kind: str, kv_cache_dtype: str) -> str:
 def kv_bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
     import torch
 
-    if kv_storage_dtype(config.kv_cache, config.kv_cache_dtype) != "auto":
-        # 8-bit values and a float32 scale per token, kv head and K or V
-        return mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
-    return mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    return mc.kv_bytes_per_token(*kv_element_bytes(kv_storage_dtype(config.kv_cache, config.kv_cache_dtype),
+                                                   mc.head_dim, torch.empty((), dtype=dtype).element_size()))
 
 
 def kv_layout(kind: str, bytes_per_token: int, block_size: int, max_len: int, max_num_seqs: int, budget: int,

@@ -65,8 +65,9 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
                    help="context window each request may reach (default: the model's)")
     p.add_argument("--dtype", default="float16", choices=_DTYPES, help="weights and KV dtype (default float16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
-                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per row)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "bfloat16"),
+                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per 32 "
+                        "values), bfloat16")
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     p.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tp", type=_positive_int("--tensor-parallel-size"),
                    default=1, help="tensor-parallel size: KV heads, KV budget and blocks are per rank (default 1)")
@@ -97,8 +98,9 @@ def register(sub) -> None:
                    help="shapes for KV sizing: preset, HF directory, config.json or GGUF (default: built-in)")
     s.add_argument("--dtype", default="auto", choices=("auto",) + _DTYPES,
                    help="KV dtype (default auto: what the engine picks on this machine)")
-    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
-                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per row)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "bfloat16"),
+                   help="KV cache element type: auto (--dtype), int8 or fp8 (8 bits + a float32 scale per 32 "
+                        "values), bfloat16")
     s.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB (default: the engine's 1GiB)")
     s.add_argument("--block-size", type=_positive_int("--block-size"), default=16, help="tokens per block (16)")
     s.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,

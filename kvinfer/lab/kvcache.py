@@ -249,12 +249,10 @@ def run_lab(base: EngineConfig, num_tokens: int = DEFAULT_TOKENS, prompt: Option
                               f"prompt ({len(ids)} tokens) + tokens exceeds max_model_len={max_len}")
     import torch
 
-    from kvinfer.config import kv_scale_bytes
+    from kvinfer.config import kv_element_bytes
 
-    if base.kv_cache_dtype != "auto":  # 8-bit values + a float32 scale per row
-        bpt = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
-    else:
-        bpt = mc.kv_bytes_per_token(torch.empty((), dtype=loaded.dtype).element_size())
+    bpt = mc.kv_bytes_per_token(*kv_element_bytes(base.kv_cache_dtype, mc.head_dim,
+                                                  torch.empty((), dtype=loaded.dtype).element_size()))
     # One max-length slot's worth for every backend: the contiguous cache reserves exactly that, and the
     # paged pool gets the same bytes so what differs is how much of it is used.
     budget = base.kv_cache_memory or bpt * max_len

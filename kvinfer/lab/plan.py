@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvinfer.config import KV_CACHE_DTYPES, kv_scale_bytes, PRESETS, ModelConfig, load_hf_config, preset_config
+from kvinfer.config import KV_CACHE_DTYPES, kv_element_bytes, PRESETS, ModelConfig, load_hf_config, preset_config
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.utils import format_bytes
 
@@ -175,7 +175,7 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
     dbytes = DTYPE_BYTES[dtype]
     kv_heads = kv_heads_per_device(cfg, tp)
     # An 8-bit cache: one byte per value plus a float32 scale per group of 32 values of a K or V row.
-    kv_dbytes, scale_bytes = (dbytes, 0) if kv_cache_dtype == "auto" else (1, kv_scale_bytes(cfg.head_dim))
+    kv_dbytes, scale_bytes = kv_element_bytes(kv_cache_dtype, cfg.head_dim, dbytes)
     kv_values = 2 * cfg.num_layers * kv_heads * cfg.head_dim * kv_dbytes
     kv_scales = 2 * cfg.num_layers * kv_heads * scale_bytes
     kv_per_token = kv_values + kv_scales

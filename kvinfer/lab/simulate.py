@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from kvinfer.config import ModelConfig, kv_scale_bytes
+from kvinfer.config import ModelConfig, kv_element_bytes
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.kv.factory import kv_layout, make_manager
 from kvinfer.request import Request
@@ -353,7 +353,7 @@ def synthetic_trace(num_requests: int = 64, seed: int = 0, vocab_size: int = 491
 class SimConfig:
     kv_cache_memory: int
     dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"  # auto (dtype) | int8 | fp8 (8 bits + a float32 scale per row)
+    kv_cache_dtype: str = "auto"  # auto (dtype) | int8 | fp8 (8 bits + float32 group scales) | bfloat16
     kv_cache: str = "paged"
     block_size: int = 16
     max_model_len: Optional[int] = None  # None: the model's
@@ -406,10 +406,7 @@ class SimResult:
 def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
     if cfg.tp > 1:  # the engine's rule (kvinfer.parallel): KV heads split, or one replicated when fewer than ranks
         mc = mc.replace(num_kv_heads=max(1, mc.num_kv_heads // cfg.tp))
-    if cfg.kv_cache_dtype == "auto":
-        bpt = mc.kv_bytes_per_token(DTYPE_BYTES[cfg.dtype])
-    else:
-        bpt = mc.kv_bytes_per_token(1, kv_scale_bytes(mc.head_dim))
+    bpt = mc.kv_bytes_per_token(*kv_element_bytes(cfg.kv_cache_dtype, mc.head_dim, DTYPE_BYTES[cfg.dtype]))
     # The engine's rule (as many blocks, or max-length slots up to max_num_seqs, as the budget holds), except
     # that a contiguous cache without a single slot is shown rejecting every request.
     count, _ = kv_layout(cfg.kv_cache, bpt, cfg.block_size, max_len, cfg.max_num_seqs, cfg.kv_cache_memory,
