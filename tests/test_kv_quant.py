@@ -191,6 +191,10 @@ def test_invalid_kv_dtype_names_the_choices(capsys):
         main(["generate", "hi", "--kv-cache-dtype", "int4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) <= 2 and "invalid choice: 'int4'" in err[-1] and "int8" in err[-1]
+    # A cache the kernels read needs float32 activations: one line that says so, not a traceback.
+    assert main(["generate", "hi", "--dtype", "bfloat16", "--kv-cache-dtype", "int8", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kv_cache_dtype='int8'" in err[0] and "--dtype float32" in err[0]
 
 
 @pytest.fixture(scope="module")

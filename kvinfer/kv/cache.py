@@ -8,6 +8,7 @@ import torch
 
 from kvinfer import kernels
 from kvinfer.config import kv_scale_bytes
+from kvinfer.errors import ValidationError
 from kvinfer.kv.interface import SeqSlice, is_decode, leading_decodes
 from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
 
@@ -52,8 +53,9 @@ class _Backend:
         self.kv_computed = 0  # K/V projections computed, summed over tokens (one per token per layer pass)
         self._kernel_ok: Optional[bool] = None
         if self.quantized and not self._kernel_usable():
-            raise ValueError(f"a {kv_dtype} KV cache needs the CPU kernels with float32 activations "
-                             f"({kernels.unavailable_reason() or f'device {self.device}, dtype {dtype}'})")
+            why = kernels.unavailable_reason() or f"here: device {self.device.type}, dtype {str(dtype)[6:]}"
+            raise ValidationError("kv_cache_dtype", kv_dtype, f"needs the CPU kernels with float32 activations "
+                                  f"(--dtype float32 --device cpu); {why}")
 
     @property
     def quantized(self) -> bool:
