@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
+from kvinfer.utils import parse_size
 
 
 @dataclass(frozen=True)
@@ -437,6 +438,8 @@ class EngineConfig:
             raise ValidationError("quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValidationError("block_size", self.block_size, "must be in [1, 1024]")
+        if isinstance(self.kv_cache_memory, str):  # "512MiB", as on the command line
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValidationError("kv_cache_memory", self.kv_cache_memory, "must be > 0 bytes")
         if not 0.0 <= self.kv_cache_fraction < 1.0:

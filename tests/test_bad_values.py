@@ -171,6 +171,15 @@ def _no_allocation(monkeypatch):
     return llm_engine
 
 
+def test_engine_config_takes_sizes_as_the_command_line_does():
+    assert EngineConfig(kv_cache_memory="512MiB").kv_cache_memory == 512 << 20
+    assert EngineConfig(kv_cache_memory=1 << 20).kv_cache_memory == 1 << 20
+    with pytest.raises(ValidationError, match="kv_cache_memory='12XB'"):
+        EngineConfig(kv_cache_memory="12XB")
+    with pytest.raises(ValidationError, match="must be > 0"):
+        EngineConfig(kv_cache_memory="0MiB")
+
+
 def test_kv_budget_above_available_memory_is_refused_before_allocating(monkeypatch):
     llm_engine = _no_allocation(monkeypatch)
     monkeypatch.setattr(llm_engine, "available_memory", lambda device: 3 << 30)
