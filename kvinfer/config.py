@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -379,6 +381,8 @@ def kv_element_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> tu
     if kv_cache_dtype == "bfloat16":
         return 2, 0
     return dtype_bytes, 0
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -423,7 +427,27 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
 
+    def _check_types(self) -> None:
+        """A value of the wrong type is a ValidationError naming the setting (not a TypeError from a comparison)."""
+        kinds = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,)}
+        for f in dataclasses.fields(self):
+            ann = str(f.type)
+            optional = ann.startswith("Optional[")
+            want = kinds.get(ann[9:-1] if optional else ann)
+            value = getattr(self, f.name)
+            if want is None or (optional and value is None):
+                continue
+            if want == (str,) and isinstance(value, os.PathLike):  # a path given as a Path
+                object.__setattr__(self, f.name, value := os.fspath(value))
+            if not isinstance(value, want) or (bool not in want and isinstance(value, bool)):
+                what = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
+                raise ValidationError(f.name, value, f"must be {what[ann[9:-1] if optional else ann]}"
+                                      + (" or None" if optional else ""))
+
     def __post_init__(self):
+        if isinstance(self.kv_cache_memory, str):  # "512MiB", as on the command line
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        self._check_types()
         if self.kv_cache not in KV_BACKENDS:
             raise ValidationError("kv_cache", self.kv_cache, f"must be one of {', '.join(KV_BACKENDS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -438,8 +462,6 @@ class EngineConfig:
             raise ValidationError("quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValidationError("block_size", self.block_size, "must be in [1, 1024]")
-        if isinstance(self.kv_cache_memory, str):  # "512MiB", as on the command line
-            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValidationError("kv_cache_memory", self.kv_cache_memory, "must be > 0 bytes")
         if not 0.0 <= self.kv_cache_fraction < 1.0:

@@ -180,6 +180,26 @@ def test_engine_config_takes_sizes_as_the_command_line_does():
         EngineConfig(kv_cache_memory="0MiB")
 
 
+@pytest.mark.parametrize("kw,msg", [(dict(block_size="16"), "block_size='16': must be an integer"),
+                                    (dict(max_model_len=1.5), "max_model_len=1.5: must be an integer or None"),
+                                    (dict(kv_cache_fraction="0.5"), "kv_cache_fraction='0.5': must be a number"),
+                                    (dict(enable_prefix_caching=1), "must be True or False"),
+                                    (dict(seed=True), "seed=True: must be an integer"),
+                                    (dict(model=3), "model=3: must be a string or None")])
+def test_engine_config_values_of_the_wrong_type_name_the_setting(kw, msg):
+    with pytest.raises(ValidationError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**kw)
+
+
+def test_engine_config_takes_paths_and_numpy_numbers():
+    from pathlib import Path
+
+    import numpy as np
+
+    cfg = EngineConfig(model=Path("/tmp/m.gguf"), max_num_seqs=np.int64(4), kv_cache_fraction=np.float32(0.5))
+    assert cfg.model == "/tmp/m.gguf" and cfg.max_num_seqs == 4
+
+
 def test_kv_budget_above_available_memory_is_refused_before_allocating(monkeypatch):
     llm_engine = _no_allocation(monkeypatch)
     monkeypatch.setattr(llm_engine, "available_memory", lambda device: 3 << 30)
