@@ -17,8 +17,8 @@ def register_kv_attention(bs) -> None:
     p = bs.add_parser("kv-attention", help="decode attention per KV cache dtype (float32, int8, fp8, bfloat16)",
                       description="One decode query over --context positions of a paged cache (the built-in "
                                   "model's shapes: 9 heads, 3 KV heads, head dim 64, block 16, shuffled blocks), "
-                                  "through the attention kernel with a float32, an int8, an fp8 and a bfloat16 pool holding "
-                                  "the same keys and values; the dtypes take turns within each round, and each "
+                                  "through the attention kernel with a float32, an int8, an fp8 and a bfloat16 "
+                                  "pool holding the same keys and values; the dtypes take turns within each round, and each "
                                   "reports its best round (us per call) and its speed relative to float32.")
     p.add_argument("--context", type=int_at_least("--context", 16, 1 << 20), default=4096,
                    help="positions attended to, 16 to 1048576 (default 4096)")
@@ -69,7 +69,8 @@ def measure(context: int, calls: int, rounds: int, threads: int | None = None, s
     for dt in DTYPES:
         outs[dt] = call(dt)  # warm-up (and the outputs compared below)
     for r in range(rounds):
-        for dt in DTYPES[r % len(DTYPES):] + DTYPES[:r % len(DTYPES)]:  # take turns, so a burst of load hits every dtype alike
+        turn = r % len(DTYPES)
+        for dt in DTYPES[turn:] + DTYPES[:turn]:  # take turns, so a burst of load hits every dtype alike
             t0 = time.perf_counter()
             for _ in range(calls):
                 call(dt)

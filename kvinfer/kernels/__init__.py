@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from kvinfer.config import KV_8BIT
+
 # Imported before a library is loaded: torch brings its own libgomp.so.1, and our -fopenmp library then binds to
 # that same runtime (same soname) instead of loading a second one, so both share one thread pool.
 import torch
@@ -52,10 +54,11 @@ LEVEL_FLAGS = {
 # GGML type ids, as the C side takes them: quantised (32-element blocks) and float rows.
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
-# KV cache element types: float32, or 8-bit values with a float32 scale per group of 32 values of a row.
+# KV cache element types: float32, 8-bit values with a float32 scale per group of 32 values of a row (KV_SCALED),
+# or bfloat16.
 KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2, "bfloat16": 3}
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16}  # fp8 = e4m3 bit patterns
-KV_SCALED = ("int8", "fp8")  # caches with a float32 scale per group of 32 values
+KV_SCALED = KV_8BIT
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
            -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
