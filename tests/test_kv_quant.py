@@ -183,9 +183,13 @@ def test_8bit_attention_is_the_same_bits_on_every_level_alone_or_batched(kv_dtyp
 
 
 def test_invalid_kv_dtype_names_the_choices(capsys):
-    with pytest.raises(ValidationError, match="kv_cache_dtype.*auto, int8, fp8"):
+    with pytest.raises(ValidationError, match="kv_cache_dtype.*auto, int8, fp8, bfloat16"):
         EngineConfig(kv_cache_dtype="int4")
-    from kvinfer.cli import main
+    from kvinfer.cli import build_parser, main
+    from kvinfer.config import KV_CACHE_DTYPES
+
+    gen = build_parser()._subparsers._group_actions[0].choices["generate"]
+    assert next(a for a in gen._actions if a.dest == "kv_cache_dtype").choices == list(KV_CACHE_DTYPES)
 
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--kv-cache-dtype", "int4"])
