@@ -429,20 +429,20 @@ class EngineConfig:
 
     def _check_types(self) -> None:
         """A value of the wrong type is a ValidationError naming the setting (not a TypeError from a comparison)."""
-        kinds = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,)}
+        kinds = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a number"),
+                 "bool": (bool, "True or False"), "str": (str, "a string")}
         for f in dataclasses.fields(self):
-            ann = str(f.type)
+            ann = str(f.type)  # "int", "Optional[str]", ... (annotations are strings here)
             optional = ann.startswith("Optional[")
-            want = kinds.get(ann[9:-1] if optional else ann)
+            kind = kinds.get(ann[9:-1] if optional else ann)
             value = getattr(self, f.name)
-            if want is None or (optional and value is None):
+            if kind is None or (optional and value is None):
                 continue
-            if want == (str,) and isinstance(value, os.PathLike):  # a path given as a Path
+            want, words = kind
+            if want is str and isinstance(value, os.PathLike):  # a path given as a Path
                 object.__setattr__(self, f.name, value := os.fspath(value))
-            if not isinstance(value, want) or (bool not in want and isinstance(value, bool)):
-                what = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
-                raise ValidationError(f.name, value, f"must be {what[ann[9:-1] if optional else ann]}"
-                                      + (" or None" if optional else ""))
+            if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+                raise ValidationError(f.name, value, f"must be {words}" + (" or None" if optional else ""))
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):  # "512MiB", as on the command line

@@ -53,13 +53,20 @@ class _Backend:
         self.kv_computed = 0  # K/V projections computed, summed over tokens (one per token per layer pass)
         self._kernel_ok: Optional[bool] = None
         if self.quantized and not self._kernel_usable():
-            why = kernels.unavailable_reason() or f"here: device {self.device.type}, dtype {str(dtype)[6:]}"
+            why = kernels.unavailable_reason() or \
+                f"here: device {self.device.type}, dtype {str(dtype).replace('torch.', '')}"
             raise ValidationError("kv_cache_dtype", kv_dtype, f"needs the CPU kernels with float32 activations "
                                   f"(--dtype float32 --device cpu); {why}")
 
     @property
     def quantized(self) -> bool:
+        """Stored in a type of its own (8-bit or bfloat16), written by kv_store and read by the kernel alone."""
         return self.kv_dtype != "auto"
+
+    @property
+    def scaled(self) -> bool:
+        """8-bit: a float32 scale per group of values beside the values."""
+        return self.kv_dtype in kernels.KV_SCALED
 
     def _kernel_usable(self) -> bool:
         if self._kernel_ok is None:
@@ -77,16 +84,16 @@ class _Backend:
         store = kernels.KV_STORAGE[self.kv_dtype] if self.quantized else self.dtype
         self.k = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
         self.v = [_zeros(shape, store, self.device) for _ in range(self.num_layers)]
-        if self.kv_dtype in kernels.KV_SCALED:  # a scale per group of KV_GROUP values of each row
+        if self.scaled:  # a scale per group of KV_GROUP values of each row
             sshape = (*shape[:-1], kv_scale_bytes(shape[-1]) // 4)
             self.k_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
             self.v_scale = [_zeros(sshape, torch.float32, self.device) for _ in range(self.num_layers)]
 
     def _store_quantized(self, layer: int, k, v, offsets: torch.Tensor, head_stride: int) -> None:
         lib = kernels.active()
-        scaled = self.kv_dtype in kernels.KV_SCALED
-        lib.kv_store(k, self.k[layer], self.k_scale[layer] if scaled else None, offsets, head_stride, self.kv_dtype)
-        lib.kv_store(v, self.v[layer], self.v_scale[layer] if scaled else None, offsets, head_stride, self.kv_dtype)
+        sc = self.scaled
+        lib.kv_store(k, self.k[layer], self.k_scale[layer] if sc else None, offsets, head_stride, self.kv_dtype)
+        lib.kv_store(v, self.v[layer], self.v_scale[layer] if sc else None, offsets, head_stride, self.kv_dtype)
 
     def _kernel_md(self, seqs: Sequence[SeqSlice], tables: torch.Tensor, block_size: int,
                    num_blocks: int) -> KernelAttn:
@@ -107,7 +114,7 @@ class _Backend:
         km = md.kernel
         keys, values, strides, kvh = self._kernel_kv(layer, k, v)
         q8 = self.quantized and keys is self.k[layer]  # (the none backend attends to its fresh float K/V)
-        scaled = q8 and self.kv_dtype in kernels.KV_SCALED
+        scaled = q8 and self.scaled
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
                                  alibi_slopes=self.alibi, sliding_window=self.sliding_window,

@@ -65,7 +65,7 @@ class FusedDecode:
                 setattr(e, f"{name}_ldw", lin.raw.stride(0))
                 setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
             e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
-            if backend.kv_dtype in kernels.KV_SCALED:
+            if backend.scaled:
                 e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()
         self.layers = layers
         self.scale = cfg.head_dim ** -0.5
