@@ -199,6 +199,103 @@ static inline __attribute__((always_inline)) float dot_kv(const float *q, const 
     return vf_hsum(vf_add(a0, a1)) + t;
 }
 
+/* Values of a piece for query heads h0 .. h0 + NH - 1 (NH <= 3), head size 64: part[h][2 + i] = the sum over
+ * positions, in order, of fma(p, v[i], .), 16 lanes at a time (six accumulators, no spills); each value row's
+ * 64-byte slice is read once for the NH heads. */
+static inline __attribute__((always_inline)) void values64(const void *vbase, const int64_t *offs, int64_t n,
+                                                           const float *s, float *part, int64_t h0, const int NH,
+                                                           const int DT) {
+    for (int c = 0; c < 64; c += 16) {
+        vf a[3][2];
+        for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = vf_zero();
+        for (int64_t i = 0; i < n; i++) {
+            const void *v = at(vbase, offs[i] + c, DT);
+            const vf v0 = load8(v, 0, DT), v1 = load8(v, 8, DT);
+            for (int h = 0; h < NH; h++) {
+                const vf w = vf_set1(s[(h0 + h) * n + i]);
+                a[h][0] = vf_fma(w, v0, a[h][0]);
+                a[h][1] = vf_fma(w, v1, a[h][1]);
+            }
+        }
+        for (int h = 0; h < NH; h++) {
+            vf_store(part + (h0 + h) * 66 + 2 + c, a[h][0]);
+            vf_store(part + (h0 + h) * 66 + 2 + c + 8, a[h][1]);
+        }
+    }
+}
+
+/* Piece [p0, p1) of query token t, kv head g, for head size 64 and float values (float32, bfloat16): the same
+ * operations, in the same order, as piece_dt's general code, arranged for the machine: scores eight positions at
+ * a time (one transpose-add instead of eight horizontal sums) with each group's key rows read once for the G
+ * query heads, the running maximum kept per lane, values in 16-lane slices with the weights of up to three heads.
+ * s: scratch of G * CHUNK floats. */
+static inline __attribute__((always_inline)) void piece64(const struct kvq_attn *j, int64_t t, int64_t g,
+                                                          int64_t p0, int64_t p1, float *s, float *part,
+                                                          const int DT) {
+    const int64_t G = j->H / j->KVH, n = p1 - p0, pos = j->tok_pos[t];
+    const int64_t *table = j->tables + j->tok_seq[t] * j->table_stride;
+    const float *q = j->q + t * j->q_stride + g * G * 64;
+    const int64_t hoff = g * j->head_stride;
+    int64_t offs[CHUNK];
+    for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
+        offs[p - p0] = table[bi] * j->block_stride + o * j->tok_stride + hoff;
+        if (++o == j->BS) o = 0, bi++;
+    }
+    float tmp[64];
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        const int m = n - i0 < 8 ? (int)(n - i0) : 8;
+        for (int u = m; u < 8; u++) vf_store(tmp + 8 * u, vf_zero());
+        for (int64_t h = 0; h < G; h++) {
+            const float *qh = q + h * 64;
+            for (int u = 0; u < m; u++) { /* dot_kv: a0 the even groups of 8, a1 the odd ones */
+                const void *k = at(j->k, offs[i0 + u], DT);
+                vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
+                vf a1 = vf_fma(vf_load(qh + 8), load8(k, 8, DT), vf_zero());
+                a0 = vf_fma(vf_load(qh + 16), load8(k, 16, DT), a0);
+                a1 = vf_fma(vf_load(qh + 24), load8(k, 24, DT), a1);
+                a0 = vf_fma(vf_load(qh + 32), load8(k, 32, DT), a0);
+                a1 = vf_fma(vf_load(qh + 40), load8(k, 40, DT), a1);
+                a0 = vf_fma(vf_load(qh + 48), load8(k, 48, DT), a0);
+                a1 = vf_fma(vf_load(qh + 56), load8(k, 56, DT), a1);
+                vf_store(tmp + 8 * u, vf_add(a0, a1));
+            }
+            /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
+            const vf r = vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(j->scale));
+            float *sh = s + h * n + i0;
+            if (m == 8) vf_store(sh, r);
+            else {
+                float t8[8];
+                vf_store(t8, r);
+                memcpy(sh, t8, sizeof(float) * (size_t)m);
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        float *sh = s + h * n;
+        if (j->slopes) {
+            const float slope = j->slopes[g * G + h];
+            for (int64_t i = 0; i < n; i++) sh[i] = sh[i] + slope * (float)(p0 + i - pos);
+        }
+        /* the maximum (NaN scores are passed over, as in piece_dt): per lane, then across lanes in order */
+        vf mv = vf_set1(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) mv = vf_max(vf_load(sh + i), mv);
+        float lanes[8], mx = -INFINITY;
+        vf_store(lanes, mv);
+        for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+        for (; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+        float *ph = part + h * 66;
+        ph[0] = mx;
+        ph[1] = kvq_exp_shift_sum(sh, n, mx);
+    }
+    for (int64_t h = 0; h < G; h += 3) {
+        const int64_t nh = G - h < 3 ? G - h : 3;
+        if (nh == 3) values64(j->v, offs, n, s, part, h, 3, DT);
+        else if (nh == 2) values64(j->v, offs, n, s, part, h, 2, DT);
+        else values64(j->v, offs, n, s, part, h, 1, DT);
+    }
+}
+
 /* Piece [p0, p1) of query token t, kv head g: per query head of the group, part[h * (D + 2) + ...] = m, l, o.
  * Positions are walked block by block (no division per position); s is scratch of G * CHUNK floats. With an
  * 8-bit cache a score is dot(q, k) * k_scale * scale and a value row enters with weight p * v_scale. */
@@ -210,6 +307,10 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
     const float *q = j->q + t * j->q_stride + g * G * D;
     const int64_t hoff = g * j->head_stride;
     const int64_t GS = kv_group(D);
+    if (!KV_IS_8BIT(DT) && D == 64) {
+        piece64(j, t, g, p0, p1, s, part, DT);
+        return;
+    }
     for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
         const int64_t off = table[bi] * j->block_stride + o * j->tok_stride + hoff;
         const void *k = at(j->k, off, DT);
@@ -237,24 +338,6 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
         ph[0] = mx;
         ph[1] = kvq_exp_shift_sum(sh, n, mx);
         memset(ph + 2, 0, sizeof(float) * (size_t)D);
-    }
-    if (D == 64) { /* the common head size: the accumulator stays in registers (same operations, same order) */
-        for (int64_t h = 0; h < G; h++) {
-            vf a[8];
-            for (int i = 0; i < 8; i++) a[i] = vf_zero();
-            for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
-                const int64_t off = table[bi] * j->block_stride + o * j->tok_stride + hoff;
-                const void *v = at(j->v, off, DT);
-                const float pw = s[h * n + p - p0];
-                for (int i = 0; i < 8; i++) {
-                    const float w = !KV_IS_8BIT(DT) ? pw : pw * j->v_scale[(off + 8 * i) / GS];
-                    a[i] = vf_fma(vf_set1(w), load8(v, 8 * i, DT), a[i]);
-                }
-                if (++o == j->BS) o = 0, bi++;
-            }
-            for (int i = 0; i < 8; i++) vf_store(part + h * (D + 2) + 2 + 8 * i, a[i]);
-        }
-        return;
     }
     for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
         const int64_t off = table[bi] * j->block_stride + o * j->tok_stride + hoff;
@@ -575,7 +658,7 @@ int kvq_attention(const struct kvq_attn *jp) {
                         piece(&j, t, g, p0, p1, s, shared + it * G * (D + 2));
                     }
                 } else {
-                    const int64_t t = it / j.KVH, g = it % j.KVH, C = num_pieces(&j, t);
+                    const int64_t t = it % j.T, g = it / j.T, C = num_pieces(&j, t); /* kv head major: one head's K/V stays in cache */
                     const int64_t c0 = first_pos(&j, t) / CHUNK;
                     for (int64_t c = 0; c < C; c++) {
                         int64_t p0, p1;

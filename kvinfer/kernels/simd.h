@@ -110,6 +110,22 @@ static inline vi vi_hsum8x8(const int32_t *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* Lane r: vf_hsum of the 8 floats at v + 8r, the same tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
+ * for 8 vectors at once (a transpose-add instead of 8 horizontal sums). */
+static inline vf vf_hsum_each8(const float *v) {
+    __m256 u[4];
+    for (int i = 0; i < 4; i++) { /* [lo + hi of vector 2i | of vector 2i + 1]: lanes a0..a3 = l0+l4 .. l3+l7 */
+        const __m256 x = vf_load(v + 16 * i), y = vf_load(v + 16 * i + 8);
+        u[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    /* (a0 + a2), (a1 + a3) per vector: p holds vectors 0, 2 (low half) / 1, 3 (high), q 4, 6 / 5, 7 */
+    const __m256 p = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xee));
+    const __m256 q = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44), _mm256_shuffle_ps(u[2], u[3], 0xee));
+    /* (a0 + a2) + (a1 + a3): lanes hold vectors 0, 2, 4, 6 | 1, 3, 5, 7 */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(p, q, 0x88), _mm256_shuffle_ps(p, q, 0xdd));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* The fp16 fields at p + u * stride (d) and p + 2 + u * stride (m) of 8 blocks, as floats. Built in registers:
  * 8 small stores read back as one vector cannot be forwarded, and a gather is slower still on AMD. */
 static inline void vf_load_half2_strided(const uint8_t *p, int stride, vf *d, vf *m) {
@@ -252,6 +268,12 @@ static inline void vf_load_half2_strided(const uint8_t *p, int stride, vf *d, vf
         d->v[u] = kvq_half(kvq_rd16(p + u * stride));
         m->v[u] = kvq_half(kvq_rd16(p + u * stride + 2));
     }
+}
+
+static inline vf vf_hsum_each8(const float *v) {
+    vf r;
+    for (int i = 0; i < 8; i++) r.v[i] = vf_hsum(vf_load(v + 8 * i));
+    return r;
 }
 
 static inline vf vf_hsum8x8(const float *v) {
