@@ -50,6 +50,9 @@ def _compare(builtin_llm, tol):
 def test_builtin_model_fused_matches_eager_bitwise(builtin_llm):
     # The fused step calls the eager path's own kernels in the same order: not close, identical.
     assert unsupported_reason(builtin_llm.engine.loaded.model, builtin_llm.engine.kv_cache) is None
+    fd = FusedDecode(builtin_llm.engine.loaded.model, builtin_llm.engine.kv_cache)
+    # the embedding lookup, the final norm and the tied Q8_0 head run inside the C step too
+    assert fd.embed is not None and fd.final_norm is not None and fd.fuses_head
     _compare(builtin_llm, 0.0)
 
 

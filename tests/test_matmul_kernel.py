@@ -433,3 +433,29 @@ def test_kernel_linear_matches_linear_and_is_row_invariant():
     assert torch.equal(lin(x)[3], lin(x[3:4])[0])
     assert lin(x.reshape(7, 1, 96)).shape == (7, 1, 50)
     assert lin(x.double()).dtype == torch.float64  # other dtypes: F.linear
+
+
+@pytest.mark.parametrize("qtype", QTYPES + ("F32", "F16", "BF16"))
+def test_embedding_rows_in_c_are_the_dequantized_rows_on_every_level(qtype):
+    """kvq_embed_rows (QuantEmbedding's lookup) gives the very floats of the Python dequantisation, any id shape,
+    repeated ids, every level; an id outside the vocabulary is a ValueError naming the range."""
+    n, k = 50, 96
+    fdt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if qtype in QTYPES:
+        w = torch.from_numpy(make_raw(qtype, n, k))
+        full = dequantize(w.numpy(), qtype, (n, k))
+    else:
+        w = torch.randn(n, k).to(fdt[qtype])
+        full = w.float()
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    for lv in _levels_here():
+        got = kernels.library(lv).embed_rows(w, qtype, ids, k)
+        assert got.shape == (2, 3, k)
+        assert torch.equal(got.view(torch.int32), full[ids].view(torch.int32)), lv
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        kernels.embed_rows(w, qtype, torch.tensor([50]), k)
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        kernels.embed_rows(w, qtype, torch.tensor([-1]), k)
+    if qtype in QTYPES:  # the layer takes the kernel route and gives the same rows
+        emb = QuantEmbedding(w, qtype, (n, k))
+        assert torch.equal(emb(ids), full[ids])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -81,25 +82,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, p: StepPlan) -> torch.Tensor:
         """One decoder forward over the plan -> hidden [tokens, hidden] (every tensor-parallel rank runs this)."""
+        return self._run(p, False)[0]
+
+    def _run(self, p: StepPlan, with_logits: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(hidden, None), or (None, logits of every row) when a fused decode step also applied the head."""
         self.backend.copy_blocks(p.block_copies)
         md = self.backend.prepare(p.slices)
         input_ids = torch.tensor(p.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
-        fused = None
         if md.kernel is not None and md.kernel.decode_only:  # every sequence decodes one token
             fused = self._fused_decode()
-        if fused is not None:
-            return fused(input_ids, positions, md)
-        return self.model(input_ids, positions, md, self.backend)
+            if fused is not None:
+                y = fused(input_ids, positions, md, with_logits)
+                return (None, y) if with_logits and fused.fuses_head else (y, None)
+        return self.model(input_ids, positions, md, self.backend), None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """Returns (logits [rows, vocab] float32, the scheduled seqs those rows belong to, in order)."""
         p, sample_rows, sampled = self.plan(out)
-        hidden = self.run_plan(p)
+        # Every row sampled (decode steps, verifications): a fused step may apply the final norm and head too.
+        every_row = (self.use_fused_decode and len(sample_rows) == len(p.input_ids) > 0
+                     and sample_rows == list(range(len(p.input_ids))))
+        hidden, logits = self._run(p, True) if every_row else (self.run_plan(p), None)
         if not sample_rows:
             return None, []
-        return self.logits(hidden, sample_rows), sampled
+        if logits is None:
+            logits = self.logits(hidden, sample_rows)
+        return logits, sampled
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """[rows, vocab] float32 (under tensor parallelism every rank calls it: the head's slices are gathered)."""

@@ -30,8 +30,8 @@ from kvinfer.config import KV_8BIT
 import torch
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
-           "batch_invariant", "matmul", "PreparedMatmul", "attention", "rms_norm", "layer_norm", "silu_mul", "gelu", "rope_pair_",
-           "decode_step", "DecodeLayer", "DecodeJob", "library_path", "build", "load", "describe"]
+           "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
+           "silu_mul", "gelu", "rope_pair_", "decode_step", "DecodeLayer", "DecodeJob", "library_path", "build", "load", "describe"]
 
 log = logging.getLogger("kvinfer.kernels")
 
@@ -60,6 +60,7 @@ KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2, "bfloat16": 3}
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16}  # fp8 = e4m3 bit patterns
 KV_SCALED = KV_8BIT
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_EBADSHAPE = -2
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
            -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
 
@@ -148,8 +149,12 @@ class DecodeLayer(ctypes.Structure):
 
 class DecodeJob(ctypes.Structure):
     _fields_ = [(n, _vp) for n in ("x", "layers", "cos", "sin", "slots", "tables", "lens")] + \
-               [(n, _i64) for n in ("B", "hidden", "H", "KVH", "D", "inter", "L", "T", "BS", "NB", "window")] + \
-               [("eps", _f32), ("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)]
+               [(n, _i64) for n in ("B", "hidden", "H", "KVH", "D", "inter", "L", "T", "BS", "NB", "window",
+                                    "rope_rows")] + \
+               [("eps", _f32), ("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)] + \
+               [("ids", _vp), ("embed", _vp), ("embed_ldw", _i64), ("vocab", _i64), ("embed_qt", _i32),
+                ("final_eps", _f32), ("final_norm", _vp), ("out", _vp), ("head", _vp), ("head_ldw", _i64),
+                ("head_rows", _i64), ("head_qt", _i32), ("logits", _vp)]
 
 
 _MATMUL_ARGS = ctypes.c_int64 * 12
@@ -162,6 +167,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_matmul_packed": ([vp], c_int),
         "kvq_attention": ([vp], c_int),
         "kvq_decode_step": ([vp], c_int),
+        "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
         "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
         "kvq_silu_mul_rows": ([vp, i64, i64, i64, vp, c_int], None),
@@ -295,6 +301,31 @@ class Kernels:
                       strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads), kvt)
         _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
         return out
+
+    # -- embedding lookup -----------------------------------------------------------------------------------
+    def embed_rows(self, w: torch.Tensor, qtype: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rows `ids` (any shape) of raw GGML rows w (uint8 [N, row_bytes], Q4_0/Q4_1/Q8_0) or a float32 /
+        float16 / bfloat16 [N, dim] tensor, as float32 [*ids.shape, dim]: the floats kvinfer.loaders.dequant
+        gives. An id outside [0, N) is a ValueError."""
+        if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):
+            raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
+        if w.dtype == torch.uint8:
+            qt = QTYPES.get(qtype)
+            if qt is None or dim % 32 or w.shape[1] < dim // 32 * _BLOCK_BYTES[qtype]:
+                raise ValueError(f"{qtype} rows of {w.shape[1]} bytes cannot hold {dim} elements")
+            ldw = w.stride(0)
+        elif w.dtype in FLOAT_TYPES and w.shape[1] == dim:
+            qt, ldw = FLOAT_TYPES[w.dtype], w.stride(0) * w.element_size()
+        else:
+            raise ValueError(f"w must be uint8 GGML rows or float [N, {dim}], not {w.dtype} {tuple(w.shape)}")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], dim), dtype=torch.float32)
+        rc = self.lib.kvq_embed_rows(w.data_ptr(), ldw, qt, flat.data_ptr(), flat.shape[0], w.shape[0], dim,
+                                     out.data_ptr())
+        if rc == _EBADSHAPE:
+            raise ValueError(f"token ids must be in [0, {w.shape[0]})")
+        _check(rc, "embedding lookup")
+        return out.view(*ids.shape, dim)
 
     # -- row operations -------------------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -516,6 +547,10 @@ def matmul(x, w, qtype="F32", bias=None, out=None, num_threads=None):
 
 def attention(*args, **kwargs):
     return active().attention(*args, **kwargs)
+
+
+def embed_rows(w, qtype, ids, dim):
+    return active().embed_rows(w, qtype, ids, dim)
 
 
 def rms_norm(x, weight, eps):

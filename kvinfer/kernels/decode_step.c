@@ -4,9 +4,11 @@
  * kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul), in the same order, so a token decoded here or in a
  * mixed eager step gets the same bits; what goes away is the eager path's per-op dispatch cost.
  *
- * x [B, hidden] is the residual stream after the embedding; on return it holds the last layer's output (the
- * caller applies the final norm and the head). Each sequence contributes one token: its K and V are written to
- * slots[b] of each layer's pools before attention reads them.
+ * x [B, hidden] is the residual stream: the embedding rows of ids on entry (looked up here when embed is set);
+ * on return it holds the last layer's output, and with final_norm set the step also applies the final norm (into
+ * out) and, with head set, the LM head (into logits) -- the same kernels the eager path calls for them. Each
+ * sequence contributes one token: its K and V are written to slots[b] of each layer's pools before attention
+ * reads them.
  */
 #include "kernels.h"
 
@@ -18,8 +20,14 @@ int kvq_decode_step(const struct kvq_decode *d) {
     if (B <= 0 || hid <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || inter <= 0 || d->L <= 0)
         return KVQ_EBADSHAPE;
     const int64_t qs = H * D, kvs = KVH * D, nqkv = qs + 2 * kvs;
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B; b++) {
         if (d->slots[b] < 0 || d->slots[b] >= d->NB * d->BS || d->lens[b] <= 0) return KVQ_EBADBLOCK;
+        if (d->lens[b] > d->rope_rows) return KVQ_EBADSHAPE;
+    }
+    if (d->embed) {
+        const int rc = kvq_embed_rows(d->embed, d->embed_ldw, d->embed_qt, d->ids, B, d->vocab, hid, d->x);
+        if (rc) return rc;
+    }
     float *h = (float *)malloc(sizeof(float) * (size_t)(B * hid));
     float *qkv = (float *)malloc(sizeof(float) * (size_t)(B * nqkv));
     float *att = (float *)malloc(sizeof(float) * (size_t)(B * qs));
@@ -40,8 +48,9 @@ int kvq_decode_step(const struct kvq_decode *d) {
         if (rc) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
-            kvq_rope(row, H, D, d->cos + b * (D / 2), d->sin + b * (D / 2));
-            kvq_rope(row + qs, KVH, D, d->cos + b * (D / 2), d->sin + b * (D / 2));
+            const float *c = d->cos + pos[b] * (D / 2), *s = d->sin + pos[b] * (D / 2);
+            kvq_rope(row, H, D, c, s);
+            kvq_rope(row + qs, KVH, D, c, s);
             if (d->kv_dtype == KV_F32) {
                 memcpy((float *)p->kpool + d->slots[b] * kvs, row + qs, sizeof(float) * (size_t)kvs);
                 memcpy((float *)p->vpool + d->slots[b] * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
@@ -68,6 +77,12 @@ int kvq_decode_step(const struct kvq_decode *d) {
         rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, NULL, y, hid, d->nthreads);
         if (rc) break;
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
+    }
+    if (rc == KVQ_OK && d->final_norm) {
+        kvq_rms_norm(d->x, B, hid, d->final_norm, d->out, hid, hid, d->final_eps, 1);
+        if (d->head)
+            rc = kvq_matmul(d->out, B, hid, hid, d->head, d->head_rows, d->head_ldw, d->head_qt, NULL, d->logits,
+                            d->head_rows, d->nthreads);
     }
 done:
     free(h), free(qkv), free(att), free(gu), free(act), free(y), free(seq), free(pos);

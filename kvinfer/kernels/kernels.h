@@ -69,13 +69,28 @@ struct kvq_decode_layer {
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */
     const struct kvq_decode_layer *layers;     /* [L] */
-    const float *cos, *sin;                    /* [B, D / 2] */
+    const float *cos, *sin;                    /* RoPE tables [rope_rows, D / 2]: row lens[b] - 1 */
     const int64_t *slots, *tables, *lens;      /* [B], [B, T], [B] */
-    int64_t B, hidden, H, KVH, D, inter, L, T, BS, NB, window;
+    int64_t B, hidden, H, KVH, D, inter, L, T, BS, NB, window, rope_rows;
     float eps, scale;
     int32_t nthreads, kv_dtype;
+    /* Optional. embed: x = rows ids[b] of this [vocab, hidden] matrix first (else x holds them on entry).
+     * final_norm: afterwards out = RMSNorm(x) (eps final_eps), and with head, logits = out @ head^T instead. */
+    const int64_t *ids;
+    const uint8_t *embed;
+    int64_t embed_ldw, vocab;
+    int32_t embed_qt;
+    float final_eps;
+    const float *final_norm;
+    float *out;
+    const uint8_t *head;
+    int64_t head_ldw, head_rows;
+    int32_t head_qt;
+    float *logits;                             /* [B, head_rows] */
 };
 int kvq_decode_step(const struct kvq_decode *d);
+int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
+                   float *out);
 
 int kvq_level(void);
 int kvq_max_threads(void);

@@ -295,3 +295,44 @@ int kvq_matmul_packed(const int64_t *a) {
     return kvq_matmul((const float *)(intptr_t)a[0], a[1], a[2], a[3], (const uint8_t *)(intptr_t)a[4], a[5], a[6],
                       (int)a[7], (const float *)(intptr_t)a[8], (float *)(intptr_t)a[9], a[10], (int)a[11]);
 }
+
+/* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
+ * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply,
+ * then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside [0, N). */
+int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
+                   float *out) {
+    const int bb = block_bytes(qt), eb = elem_bytes(qt);
+    if (!bb && !eb) return KVQ_EBADTYPE;
+    if (n < 0 || K <= 0 || (bb && K % QK)) return KVQ_EBADSHAPE;
+    if (ldw < (bb ? K / QK * bb : K * eb)) return KVQ_EROWBYTES;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return KVQ_EBADSHAPE;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = w + ids[r] * ldw;
+        float *y = out + r * K;
+        if (!bb) {
+            for (int64_t k = 0; k < K; k++) y[k] = load_w1(row, k, qt);
+            continue;
+        }
+        for (int64_t b = 0; b < K / QK; b++) {
+            const uint8_t *blk = row + b * bb;
+            const float d = kvq_half(kvq_rd16(blk));
+            float *yb = y + b * QK;
+            if (qt == QT_Q8_0)
+                for (int i = 0; i < QK; i++) yb[i] = (float)(int8_t)blk[2 + i] * d;
+            else if (qt == QT_Q4_0)
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)((blk[2 + i] & 15) - 8) * d;
+                    yb[i + 16] = (float)((blk[2 + i] >> 4) - 8) * d;
+                }
+            else {
+                const float m = kvq_half(kvq_rd16(blk + 2));
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)(blk[4 + i] & 15) * d + m;
+                    yb[i + 16] = (float)(blk[4 + i] >> 4) * d + m;
+                }
+            }
+        }
+    }
+    return KVQ_OK;
+}

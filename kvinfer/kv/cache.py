@@ -284,14 +284,21 @@ class PagedCache(_Backend):
         bs = self.block_size
         groups, tok, slot_parts = [], 0, []
         if self._kernel_for(seqs):
+            # Plain lists, then one tensor each: a decode step's metadata is a handful of numbers, and torch's
+            # per-op cost would be most of the time spent here.
             nblk = max(-(-s.end // bs) for s in seqs)
-            tables = torch.zeros(len(seqs), nblk, dtype=torch.long)
+            rows, tok_seq, tok_pos, slots = [], [], [], []
             for i, s in enumerate(seqs):
-                t = s.block_table[:nblk]
-                tables[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-            km = self._kernel_md(seqs, tables, bs, self.num_blocks)
-            slots = tables[km.tok_seq, km.tok_pos // bs] * bs + km.tok_pos % bs  # [tokens] where K/V are stored
-            return AttentionMetadata(groups=[], slot_mapping=slots, kernel=km)
+                t = list(s.block_table[:nblk])
+                rows.append(t + [0] * (nblk - len(t)))
+                for p in range(s.start, s.end):
+                    tok_seq.append(i)
+                    tok_pos.append(p)
+                    slots.append(t[p // bs] * bs + p % bs)  # where this token's K/V are stored
+            km = KernelAttn(torch.tensor(rows, dtype=torch.long), torch.tensor(tok_seq, dtype=torch.long),
+                            torch.tensor(tok_pos, dtype=torch.long), bs, self.num_blocks,
+                            all(is_decode(s) for s in seqs))
+            return AttentionMetadata(groups=[], slot_mapping=torch.tensor(slots, dtype=torch.long), kernel=km)
         for members in _group_seqs(seqs):
             b = len(members)
             q_len = members[0].num_new

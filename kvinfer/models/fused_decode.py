@@ -15,7 +15,7 @@ import torch
 
 from kvinfer import kernels
 from kvinfer.layers.norm import RMSNorm
-from kvinfer.layers.quant_linear import QuantLinear
+from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
 
 
 def unsupported_reason(model, backend) -> Optional[str]:
@@ -33,6 +33,9 @@ def unsupported_reason(model, backend) -> Optional[str]:
         return "extra embedding or q/k norms"
     if cfg.head_dim % 2:
         return "odd head_dim"
+    rot = model.rotary
+    if rot.cos.dtype != torch.float32 or not (rot.cos.is_contiguous() and rot.sin.is_contiguous()):
+        return "RoPE tables that are not contiguous float32"
     for layer in model.layers:
         lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         for lin in lins:
@@ -69,11 +72,28 @@ class FusedDecode:
                 e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()
         self.layers = layers
         self.scale = cfg.head_dim ** -0.5
+        # Beyond the layers, what the C step can also do: the embedding lookup, the final norm and the LM head
+        # (with the kernels the eager path calls for them), sparing the per-op cost of each in Python.
+        emb, norm, head = model.embed, model.norm, model.lm_head
+        self.embed = emb if (isinstance(emb, QuantEmbedding) and emb.qtype in kernels.QTYPES
+                             and isinstance(emb.raw, torch.Tensor) and emb.raw.is_cpu
+                             and emb.raw.stride(1) == 1) else None
+        self.final_norm = norm if (isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32
+                                   and norm.weight.is_contiguous()) else None
+        self.head = head if (self.final_norm is not None and isinstance(head, QuantLinear) and head.bias is None
+                             and head.qtype in kernels.QTYPES and head.raw.is_contiguous()) else None
         self._ptrs = self._current_ptrs()
 
+    @property
+    def fuses_head(self) -> bool:
+        """Whether a call with with_logits=True returns logits (the final norm and the head done in C)."""
+        return self.head is not None
+
     def _current_ptrs(self) -> tuple:
-        first = self.model.layers[0]
-        return (self.backend.k[0].data_ptr(), first.attn.qkv.raw.data_ptr(), first.input_norm.weight.data_ptr())
+        m = self.model
+        first = m.layers[0]
+        return (self.backend.k[0].data_ptr(), first.attn.qkv.raw.data_ptr(), first.input_norm.weight.data_ptr(),
+                id(m.embed), id(m.norm), id(m.lm_head))
 
     def _check_ptrs(self) -> None:
         # The table holds raw addresses: if weights or pools were replaced since, rebuild rather than read freed
@@ -81,24 +101,47 @@ class FusedDecode:
         if self._current_ptrs() != self._ptrs:
             self.__init__(self.model, self.backend)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
-        """Hidden states [B, hidden] after the final norm, for a step of B single-token decodes (md.kernel set,
-        decode_only)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md, with_logits: bool = False) -> torch.Tensor:
+        """For a step of B single-token decodes (md.kernel set, decode_only): hidden states [B, hidden] after the
+        final norm, or with with_logits and fuses_head, the logits [B, vocab] float32. positions must equal
+        md.kernel.tok_pos (the step reads each sequence's position from there)."""
         self._check_ptrs()
         cfg, model, kv, km = self.cfg, self.model, self.backend, md.kernel
-        x = model.embed(input_ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
+        B, hid = input_ids.shape[0], cfg.hidden_size
+        ids = input_ids.to(torch.int64).contiguous()
+        if self.embed is not None:
+            x = torch.empty((B, hid), dtype=torch.float32)  # filled by the step
+        else:
+            x = model.embed(ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
         rot = model.rotary
-        cos = rot.cos[positions].contiguous()  # [B, head_dim / 2]
-        sin = rot.sin[positions].contiguous()
         slots = md.slot_mapping.contiguous()
         tables = km.tables.contiguous()
         lens = (km.tok_pos + 1).contiguous()
-        job = kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), cos.data_ptr(), sin.data_ptr(),
-                                slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0], cfg.hidden_size,
+        norm = self.final_norm
+        out = torch.empty((B, hid), dtype=torch.float32) if norm is not None else None
+        head = self.head if with_logits else None
+        logits = torch.empty((B, head.out_features), dtype=torch.float32) if head is not None else None
+        emb = self.embed
+        job = kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), rot.cos.data_ptr(), rot.sin.data_ptr(),
+                                slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), B, hid,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                 cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks, kv.sliding_window or 0,
-                                cfg.norm_eps, self.scale, torch.get_num_threads(),
-                                kernels.KV_DTYPES.get(kv.kv_dtype, 0))
+                                rot.cos.shape[0], cfg.norm_eps, self.scale, torch.get_num_threads(),
+                                kernels.KV_DTYPES.get(kv.kv_dtype, 0),
+                                ids.data_ptr(), emb.raw.data_ptr() if emb is not None else None,
+                                emb.raw.stride(0) if emb is not None else 0,
+                                emb.num_embeddings if emb is not None else 0,
+                                kernels.QTYPES[emb.qtype] if emb is not None else 0,
+                                norm.eps if norm is not None else 0.0,
+                                norm.weight.data_ptr() if norm is not None else None,
+                                out.data_ptr() if out is not None else None,
+                                head.raw.data_ptr() if head is not None else None,
+                                head.raw.stride(0) if head is not None else 0,
+                                head.out_features if head is not None else 0,
+                                kernels.QTYPES[head.qtype] if head is not None else 0,
+                                logits.data_ptr() if logits is not None else None)
         kernels.decode_step(job)
-        kv.kv_computed += x.shape[0] * cfg.num_layers
-        return model.norm(x)
+        kv.kv_computed += B * cfg.num_layers
+        if logits is not None:
+            return logits
+        return out if out is not None else model.norm(x)
