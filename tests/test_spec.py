@@ -121,6 +121,43 @@ def test_proposals_that_stop_paying_off_are_skipped_with_growing_back_off():
     assert spec.metrics() == dict(spec_drafts=7, spec_draft_tokens=9, spec_accepted_tokens=1)
 
 
+def test_a_sequence_sitting_out_still_proposes_a_full_length_match():
+    from kvinfer.spec.ngram import NgramIndex
+    from kvinfer.spec.speculator import Speculator, StepRates
+
+    idx = NgramIndex(1, 4)
+    assert idx.propose_match([7, 1, 2, 3, 4, 9, 1, 2, 3, 4], 2) == ([9, 1], 4)
+    assert idx.propose_match([7, 1, 2, 3, 4, 9, 1, 2, 3, 4, 5], 2) == ([], 0)
+    spec = Speculator("ngram", 4, rates=StepRates(probe_every=0))
+    r = Request("a", [5, 6, 7, 8, 1, 2, 3], SamplingParams(max_tokens=50))
+    r.output_token_ids, r.num_computed_tokens = [4], 7  # all tokens: 5 6 7 8 1 2 3 4
+    spec.propose([r], 1024)
+    assert r.spec_token_ids == []  # nothing to match yet
+    spec.states["a"].skip = 8  # sitting out after misses
+    r.output_token_ids += [5, 6]  # 5 6 7 8 1 2 3 4 5 6: a 2-gram (5, 6) match only
+    r.num_computed_tokens = 9
+    spec.propose([r], 1024)
+    assert r.spec_token_ids == [] and spec.states["a"].skip == 7  # a weak match: still sitting out
+    r.output_token_ids += [7, 8]  # ... 5 6 7 8: a 4-gram match, copying again
+    r.num_computed_tokens = 11
+    spec.propose([r], 1024)
+    assert r.spec_token_ids == [1, 2, 3, 4] and spec.states["a"].skip == 6
+
+
+def test_clearly_paying_speculation_probes_the_plain_rate_less_often():
+    from kvinfer.spec.speculator import MIN_SAMPLES, PROBE_SPREAD, StepRates
+
+    rates = StepRates(probe_every=4, pause_steps=10)
+    rates.observe(0.010, 1, speculated=False)  # plain: 100 tokens/s
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.010, 1.1, speculated=True)  # 110 tokens/s: pays, but not clearly
+    assert [rates.allow() for _ in range(8)] == [True, True, True, False] * 2
+    for _ in range(MIN_SAMPLES):
+        rates.observe(0.020, 4, speculated=True)  # 200 tokens/s: clearly
+    allowed = [rates.allow() for _ in range(8 * PROBE_SPREAD)]
+    assert allowed.count(False) == 2 and not allowed[4 * PROBE_SPREAD - 1 - 8]
+
+
 def test_speculation_pauses_while_verification_steps_emit_fewer_tokens_per_second():
     from kvinfer.spec.speculator import MIN_SAMPLES, StepRates
 
@@ -147,6 +184,8 @@ def test_speculation_is_judged_per_batch_size_class():
     rates.observe(0.040, 16, speculated=False, num_seqs=16)
     for _ in range(MIN_SAMPLES):
         rates.observe(0.200, 40, speculated=True, num_seqs=18)
+    assert rates.paused(16) == 0  # behind once: not yet (one slow step must not pause proposals)
+    rates.observe(0.200, 40, speculated=True, num_seqs=18)
     # 1 sequence: 1 token in 10 ms plain, 3 in 20 ms verified -> pays. A slow big step must not pause it, and the
     # big steps' higher tokens/s must not make these look poor.
     rates.observe(0.010, 1, speculated=False, num_seqs=1)

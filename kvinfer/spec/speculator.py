@@ -13,6 +13,12 @@ MAX_BACKOFF_STEPS = 64
 # steps with verification emit fewer tokens per second than plain ones, proposals pause for PAUSE_STEPS steps.
 PROBE_EVERY = 8
 PAUSE_STEPS = 64
+# While verification steps emit tokens at least CLEAR_WIN times as fast as plain ones, the plain rate is probed
+# PROBE_SPREAD times less often (each probe is a step that could have verified).
+CLEAR_WIN = 1.25
+PROBE_SPREAD = 4
+# An n-gram match at least this long (and as long as --ngram-max) is proposed even by a sequence sitting out.
+STRONG_MATCH = 3
 MIN_SAMPLES = 4  # verification steps measured (again) before they are judged
 
 
@@ -27,6 +33,7 @@ class _Rates:
         self.samples = {True: 0, False: 0}
         self.paused = 0  # steps left without proposals
         self.steps = 0
+        self.behind = 0  # consecutive verification steps after which the verified rate was below the plain one
 
     def rate(self, speculated: bool) -> float:
         return self.tokens[speculated] / self.seconds[speculated] if self.seconds[speculated] else 0.0
@@ -66,7 +73,10 @@ class StepRates:
         if r.paused > 0:
             r.paused -= 1
             return False
-        return not (self.probe_every and r.steps % self.probe_every == 0)
+        every = self.probe_every
+        if every and r.samples[True] >= MIN_SAMPLES and r.rate(True) >= CLEAR_WIN * r.rate(False) > 0:
+            every *= PROBE_SPREAD
+        return not (every and r.steps % every == 0)
 
     def observe(self, seconds: float, tokens: int, speculated: bool, num_seqs: int = 1) -> None:
         """One decode-only step of `num_seqs` sequences: its wall time and the tokens it emitted."""
@@ -77,10 +87,15 @@ class StepRates:
         r.tokens[speculated] = keep * r.tokens[speculated] + tokens
         r.seconds[speculated] = keep * r.seconds[speculated] + seconds
         r.samples[speculated] += 1
-        if (speculated and r.samples[True] >= MIN_SAMPLES and r.samples[False] > 0
-                and r.rate(True) < r.rate(False)):
+        if not speculated:
+            return
+        # Judged on two verification steps in a row, so one slow step (the VM, the garbage collector) does not
+        # cost PAUSE_STEPS steps of proposals where they pay.
+        behind = r.samples[True] >= MIN_SAMPLES and r.samples[False] > 0 and r.rate(True) < r.rate(False)
+        r.behind = r.behind + 1 if behind else 0
+        if r.behind >= 2:
             r.paused = self.pause_steps
-            r.samples[True] = 0  # judged afresh after the pause
+            r.samples[True] = r.behind = 0  # judged afresh after the pause
             self.num_pauses += 1
 
     def rate(self, speculated: bool, num_seqs: int = 1) -> float:
@@ -108,7 +123,8 @@ class Speculator:
     A verified token costs one more row in the step; an accepted one saves a whole step. Per request, a
     proposal length that follows its recent acceptance and a back-off when it falls below a threshold that
     rises with the number of running sequences (the more rows share a step, the more it is bound by
-    arithmetic, and a rejected row is pure cost). Per engine, StepRates stops proposals while verification
+    arithmetic, and a rejected row is pure cost); a sequence sitting out still proposes when the n-gram that
+    matched is --ngram-max (at least STRONG_MATCH) tokens long, the sign that it is copying again. Per engine, StepRates stops proposals while verification
     steps emit fewer tokens per second than plain ones.
     """
 
@@ -145,19 +161,22 @@ class Speculator:
             if st is None:
                 index = NgramIndex(self.ngram_min, self.ngram_max) if self.method == "ngram" else None
                 st = self.states[r.request_id] = _State(index, self.k)
+            # Verification of k tokens emits up to k + 1; never past max_tokens or the context window.
+            k = min(st.k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
+            if st.index is not None:  # n-gram: a sequence sitting out still proposes on a full-length match
+                toks, n = st.index.propose_match(r.all_token_ids, k) if k > 0 else ([], 0)
+                if st.skip > 0:
+                    st.skip -= 1
+                    if n < max(STRONG_MATCH, self.ngram_max):
+                        continue
+                r.spec_token_ids = toks
+                continue
             if st.skip > 0:
                 st.skip -= 1
                 continue
-            # Verification of k tokens emits up to k + 1; never past max_tokens or the context window.
-            k = min(st.k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if k > 0:
                 cands.append((r, k, st))
-        if not cands:
-            return
-        if self.method == "ngram":
-            for r, k, st in cands:
-                r.spec_token_ids = st.index.propose(r.all_token_ids, k)
-        else:
+        if cands:
             self.draft.propose([(r, k) for r, k, _ in cands])
 
     def release(self, running: Sequence[Request]) -> None:
