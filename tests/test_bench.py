@@ -45,6 +45,22 @@ def test_bench_decode_table(tiny_llama_dir, capsys):
     assert res["rows"][1]["kvinfer_vs_this"] == res["rows"][0]["decode_tps"] / res["rows"][1]["decode_tps"]
 
 
+def test_bench_decode_rounds_take_turns_and_report_medians(tiny_llama_dir, capsys):
+    argv = ["bench", "decode", "--model", tiny_llama_dir, "--tokens", "4", "--prompt-tokens", "4", "--block-size", "2",
+            "--compare", "no-invariance", "--rounds", "3"]
+    assert main(argv + ["--json"]) == 0
+    mine, star = json.loads(capsys.readouterr().out)["rows"]
+    assert mine["rounds"] == star["rounds"] == 3
+    assert mine["cached_prompt_tokens"] == 0  # every round a new prompt: no prefix-cache hit in later rounds
+    assert len(star["round_decode_ratios"]) == len(star["round_prefill_ratios"]) == 3
+    assert all(x > 0 for x in star["round_decode_ratios"] + star["round_prefill_ratios"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "medians of 3 rounds" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("vs kvinfer*:"))
+    assert line.count("x / ") == 3
+
+
 def test_bench_rejects_unknown_peer(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "decode", "--compare", "vllm"])
@@ -56,6 +72,7 @@ def test_bench_rejects_unknown_peer(capsys):
     (["throughput", "--num-requests", "0"], "argument --num-requests: must be >= 1"),
     (["decode", "--tokens", "1"], "argument --tokens: must be >= 2"),
     (["decode", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1"),
+    (["decode", "--rounds", "0"], "argument --rounds: must be >= 1"),
     (["throughput", "--hf-batch-size", "-1"], "argument --hf-batch-size: must be >= 1"),
     (["serve", "--rounds", "0"], "argument --rounds: must be >= 1"),
     (["serve", "--max-concurrency", "x"], "argument --max-concurrency: must be an integer"),

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -63,6 +64,9 @@ def register(sub) -> None:
                         "KVINFER_BATCH_INVARIANT=0), none (default transformers)")
     d.add_argument("--llama-bench", metavar="PATH", default=None,
                    help="llama.cpp's llama-bench binary for --compare llama.cpp (default $LLAMA_BENCH)")
+    d.add_argument("--rounds", type=int_at_least("--rounds"), default=1,
+                   help="measure kvinfer and every peer this many times, taking turns, and report the medians "
+                        "with the range of the per-round ratios (default 1; this machine's noise is 10-20%%)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(d)
     d.set_defaults(func=cmd_decode)
@@ -173,9 +177,12 @@ def cmd_decode(args) -> int:
     engine = LLMEngine(cfg)
     startup = time.perf_counter() - t0
     rng = random.Random(0)
-    prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(args.prompt_tokens)]
+    # A prompt per round: a later round must not find the prompt in the prefix cache.
+    prompts = [[rng.randrange(100, engine.model_config.vocab_size) for _ in range(args.prompt_tokens)]
+               for _ in range(args.rounds)]
+    prompt = prompts[0]
 
-    def ours(engine=engine):
+    def ours(engine=engine, prompt=prompt):
         rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
         if engine.tp is not None:
             engine.tp.stats.reset()
@@ -200,17 +207,20 @@ def cmd_decode(args) -> int:
             engine.step()
 
     warm_up(engine)
-    rows = [dict(name="kvinfer", load_s=engine.loaded.load_seconds, startup_s=startup, **ours())]
-    engine.close()
     path = engine.loaded.source.path
+    # Each peer as a function measuring one round (set up once); kvinfer and the peers take turns, round after
+    # round, so slow spells of a shared machine fall on all of them.
+    peers: dict = {}
     for peer in args.compare:
         if peer == "no-invariance":
-            with _invariance_off():
-                other = LLMEngine(cfg)
-                warm_up(other)
-                rows.append(dict(name="kvinfer*", load_s=other.loaded.load_seconds, **ours(other)))
-            other.close()
-            del other
+            def star(prompt):
+                with _invariance_off():
+                    other = LLMEngine(cfg)
+                    warm_up(other)
+                    row = dict(load_s=other.loaded.load_seconds, **ours(other, prompt))
+                other.close()
+                return row
+            peers["kvinfer*"] = star
         elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_decode
 
@@ -221,8 +231,8 @@ def cmd_decode(args) -> int:
                 print("transformers is not installed: pip install 'kvinfer[bench]'", file=sys.stderr)
                 continue
             transformers_decode(m, prompt, 8)
-            rows.append(dict(name="transformers", load_s=load_s, **transformers_decode(m, prompt, args.tokens)))
-            del m
+            peers["transformers"] = lambda prompt, m=m, load_s=load_s: dict(
+                load_s=load_s, **transformers_decode(m, prompt, args.tokens))
         elif peer == "llama.cpp":
             import os
 
@@ -237,12 +247,9 @@ def cmd_decode(args) -> int:
                     print(f"llama-bench not found or not executable: {args.llama_bench or os.environ['LLAMA_BENCH']}",
                           file=sys.stderr)
                     continue
-                try:
-                    row = llama_bench_decode(binary, path, args.prompt_tokens, args.tokens, _threads())
-                except RuntimeError as e:
-                    print(f"llama.cpp skipped: {e}", file=sys.stderr)
-                    continue
-                rows.append(dict(name="llama-bench", load_s=float("nan"), **row))
+                peers["llama-bench"] = lambda prompt, binary=binary: dict(  # its own prompt
+                    load_s=float("nan"), **llama_bench_decode(binary, path, args.prompt_tokens, args.tokens,
+                                                              _threads()))
                 continue
             t0 = time.perf_counter()
             llm = load_llama_cpp(path, args.prompt_tokens + args.tokens + 16, _threads())
@@ -251,9 +258,33 @@ def cmd_decode(args) -> int:
                 print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
                 continue
             llama_cpp_decode(llm, prompt, 8)
-            rows.append(dict(name="llama.cpp", load_s=load_s, **llama_cpp_decode(llm, prompt, args.tokens)))
+            peers["llama.cpp"] = lambda prompt, llm=llm, load_s=load_s: dict(
+                load_s=load_s, **llama_cpp_decode(llm, prompt, args.tokens))
         else:
             print(f"peer {peer} is measured by bench throughput only; skipped", file=sys.stderr)
+    samples: dict[str, list[dict]] = {"kvinfer": [], **{name: [] for name in peers}}
+    for prompt in prompts:
+        samples["kvinfer"].append(dict(load_s=engine.loaded.load_seconds, startup_s=startup, **ours(engine, prompt)))
+        for name, measure in list(peers.items()):
+            try:
+                samples[name].append(measure(prompt))
+            except RuntimeError as e:  # llama-bench failing: one line, the other rows still count
+                print(f"{name} skipped: {e}", file=sys.stderr)
+                del peers[name]
+    engine.close()
+    rows = []
+    for name, got in samples.items():
+        if not got:
+            continue
+        row = dict(got[-1], name=name, rounds=len(got))
+        for key in ("ttft", "decode_tps"):
+            row[key] = statistics.median(g[key] for g in got)
+        rows.append(row)
+    mine = samples["kvinfer"]
+    for r in rows[1:]:  # per-round ratios: each round's kvinfer against the same round's peer
+        theirs = samples[r["name"]]
+        r["round_decode_ratios"] = [a["decode_tps"] / b["decode_tps"] for a, b in zip(mine, theirs)]
+        r["round_prefill_ratios"] = [b["ttft"] / a["ttft"] for a, b in zip(mine, theirs)]
     ref = rows[0]["decode_tps"]
     for r in rows:
         r["prefill_tps"] = args.prompt_tokens / r["ttft"]  # TTFT = prefill of the prompt + the first token
@@ -270,6 +301,12 @@ def cmd_decode(args) -> int:
     for r in rows:
         print(f"{r['name']:<14}{r['load_s']:>8.2f}{r['ttft'] * 1000:>10.1f}{r['prefill_tps']:>15.1f}"
               f"{r['decode_tps']:>14.1f}{r['kvinfer_vs_this']:>28.2f}x, {r['kvinfer_prefill_vs_this']:.2f}x")
+    if args.rounds > 1:
+        per_round = "; per-round kvinfer speedups (decode / prefill):" if rows[1:] else ""
+        print(f"medians of {args.rounds} rounds{per_round}")
+        for r in rows[1:]:
+            dr, pr = r["round_decode_ratios"], r["round_prefill_ratios"]
+            print(f"  vs {r['name']}: " + ", ".join(f"{a:.2f}x / {b:.2f}x" for a, b in zip(dr, pr)))
     for r in rows:
         if r.get("command"):
             print(f"{r['name']}: {r['command']} (TTFT = prompt / its pp rate)")

@@ -124,8 +124,8 @@ class Speculator:
     proposal length that follows its recent acceptance and a back-off when it falls below a threshold that
     rises with the number of running sequences (the more rows share a step, the more it is bound by
     arithmetic, and a rejected row is pure cost); a sequence sitting out still proposes when the n-gram that
-    matched is --ngram-max (at least STRONG_MATCH) tokens long, the sign that it is copying again. Per engine, StepRates stops proposals while verification
-    steps emit fewer tokens per second than plain ones.
+    matched is --ngram-max (at least STRONG_MATCH) tokens long, the sign that it is copying again. Per engine,
+    StepRates stops proposals while verification steps emit fewer tokens per second than plain ones.
     """
 
     def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None,
