@@ -128,12 +128,14 @@ def _prefill_reference(q, keys, values, scale, window=None, slopes=None, start=0
 
 
 @pytest.mark.parametrize("window,alibi", [(None, False), (70, False), (None, True)])
-def test_prefill_over_three_layouts_matches_reference_and_is_bitwise_one_arithmetic(window, alibi):
+@pytest.mark.parametrize("D", [32, 64])
+def test_prefill_over_three_layouts_matches_reference_and_is_bitwise_one_arithmetic(window, alibi, D):
     # The same sequence's keys laid out as paged blocks (two block sizes), a contiguous slot and a step's own
     # fresh K/V: every query row gives the reference, and the same bits whatever the layout, the batch, the
-    # chunking of the prefill and the thread count.
+    # chunking of the prefill and the thread count. D = 64 without a window is the tiled route (up to 4 query
+    # tokens' pieces at once, tiles straddling the 256-position piece boundary); a token alone is not tiled.
     g = torch.Generator().manual_seed(7)
-    L, H, KVH, D = 300, 6, 2, 32
+    L, H, KVH = 300, 6, 2
     keys, values = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
     q = torch.randn(L, H, D, generator=g)
     slopes = alibi_slopes(H) if alibi else None
@@ -163,7 +165,7 @@ def test_prefill_over_three_layouts_matches_reference_and_is_bitwise_one_arithme
     chunk = kernels.attention(q[200:260], keys, values, torch.tensor([[0]]), torch.zeros(60, dtype=torch.long),
                               pos[200:260], block_size=1 << 40, num_blocks=L, strides=(KVH * D, KVH * D, D), **kw)
     assert torch.equal(chunk, outs[0][200:260])
-    for t in (0, 255, 256, 299):
+    for t in (0, 253, 255, 256, 257, 299):
         one = kernels.attention(q[t:t + 1], keys, values, torch.tensor([[0]]), torch.zeros(1, dtype=torch.long),
                                 pos[t:t + 1], block_size=1 << 40, num_blocks=L, strides=(KVH * D, KVH * D, D),
                                 num_threads=2, **kw)
@@ -207,3 +209,23 @@ def test_paged_engine_attends_through_the_kernel_and_matches_the_sdpa_path(tiny_
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
             assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+
+
+def test_query_tiles_follow_sequences_and_positions():
+    """Tiles only join consecutive positions of one sequence: tokens of two sequences interleaved, a repeated
+    position and a gap give every row the bits it gets alone."""
+    g = torch.Generator().manual_seed(3)
+    H, KVH, D, bs = 6, 2, 64, 16
+    lens = [270, 40]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    k, v = torch.randn(nb, bs, KVH, D, generator=g), torch.randn(nb, bs, KVH, D, generator=g)
+    tables = torch.tensor([list(range(17)), [17, 18, 19] + [0] * 14])
+    seq = torch.tensor([0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0], dtype=torch.long)
+    pos = torch.tensor([250, 251, 252, 30, 31, 253, 255, 255, 256, 257, 39, 269], dtype=torch.long)
+    q = torch.randn(len(seq), H, D, generator=g)
+    kw = dict(num_kv_heads=KVH, block_size=bs, num_blocks=nb, strides=(bs * KVH * D, KVH * D, D), scale=0.125)
+    for threads in (1, 2):
+        batch = kernels.attention(q, k, v, tables, seq, pos, num_threads=threads, **kw)
+        for t in range(len(seq)):
+            one = kernels.attention(q[t:t + 1], k, v, tables, seq[t:t + 1], pos[t:t + 1], num_threads=1, **kw)
+            assert torch.equal(one[0], batch[t]), (threads, t)

@@ -199,101 +199,121 @@ static inline __attribute__((always_inline)) float dot_kv(const float *q, const 
     return vf_hsum(vf_add(a0, a1)) + t;
 }
 
-/* Values of a piece for query heads h0 .. h0 + NH - 1 (NH <= 3), head size 64: part[h][2 + i] = the sum over
- * positions, in order, of fma(p, v[i], .), 16 lanes at a time (six accumulators, no spills); each value row's
+/* Values of a piece for query heads h0 .. h0 + NH - 1 (NH <= 3), head size 64, lanes [c, c + 16): part[h][2 + c
+ * + i] = the sum over positions, in order, of fma(p, v[c + i], .) (six accumulators, no spills); each value row's
  * 64-byte slice is read once for the NH heads. */
 static inline __attribute__((always_inline)) void values64(const void *vbase, const int64_t *offs, int64_t n,
                                                            const float *s, float *part, int64_t h0, const int NH,
-                                                           const int DT) {
-    for (int c = 0; c < 64; c += 16) {
-        vf a[3][2];
-        for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = vf_zero();
-        for (int64_t i = 0; i < n; i++) {
-            const void *v = at(vbase, offs[i] + c, DT);
-            const vf v0 = load8(v, 0, DT), v1 = load8(v, 8, DT);
-            for (int h = 0; h < NH; h++) {
-                const vf w = vf_set1(s[(h0 + h) * n + i]);
-                a[h][0] = vf_fma(w, v0, a[h][0]);
-                a[h][1] = vf_fma(w, v1, a[h][1]);
-            }
-        }
+                                                           int c, const int DT) {
+    vf a[3][2];
+    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = vf_zero();
+    for (int64_t i = 0; i < n; i++) {
+        const void *v = at(vbase, offs[i] + c, DT);
+        const vf v0 = load8(v, 0, DT), v1 = load8(v, 8, DT);
         for (int h = 0; h < NH; h++) {
-            vf_store(part + (h0 + h) * 66 + 2 + c, a[h][0]);
-            vf_store(part + (h0 + h) * 66 + 2 + c + 8, a[h][1]);
+            const vf w = vf_set1(s[(h0 + h) * n + i]);
+            a[h][0] = vf_fma(w, v0, a[h][0]);
+            a[h][1] = vf_fma(w, v1, a[h][1]);
         }
+    }
+    for (int h = 0; h < NH; h++) {
+        vf_store(part + (h0 + h) * 66 + 2 + c, a[h][0]);
+        vf_store(part + (h0 + h) * 66 + 2 + c + 8, a[h][1]);
     }
 }
 
-/* Piece [p0, p1) of query token t, kv head g, for head size 64 and float values (float32, bfloat16): the same
- * operations, in the same order, as piece_dt's general code, arranged for the machine: scores eight positions at
- * a time (one transpose-add instead of eight horizontal sums) with each group's key rows read once for the G
- * query heads, the running maximum kept per lane, values in 16-lane slices with the weights of up to three heads.
- * s: scratch of G * CHUNK floats. */
-static inline __attribute__((always_inline)) void piece64(const struct kvq_attn *j, int64_t t, int64_t g,
-                                                          int64_t p0, int64_t p1, float *s, float *part,
-                                                          const int DT) {
-    const int64_t G = j->H / j->KVH, n = p1 - p0, pos = j->tok_pos[t];
-    const int64_t *table = j->tables + j->tok_seq[t] * j->table_stride;
-    const float *q = j->q + t * j->q_stride + g * G * 64;
+#define QTILE 4 /* query tokens of one sequence whose pieces are computed together (each row read once for all) */
+
+/* Pieces [p0, p1s[i]) of the query tokens t0 + i (i < nt <= QTILE: one sequence, consecutive positions, so
+ * p1s ascends), kv head g, for head size 64 and float values (float32, bfloat16). For every token, the same
+ * operations in the same order as piece_dt's general code (a token's result does not depend on the others in its
+ * tile), arranged for the machine: scores eight positions at a time (one transpose-add instead of eight
+ * horizontal sums), the running maximum kept per lane, values in 16-lane slices with the weights of up to three
+ * heads; each group of key rows and each slice of value rows is read from memory once for the G query heads of
+ * all nt tokens. s: scratch of nt * G * CHUNK floats; parts[i]: token i's piece (G * (D + 2) floats). */
+static inline __attribute__((always_inline)) void piece64(const struct kvq_attn *j, int64_t t0, int nt, int64_t g,
+                                                          int64_t p0, const int64_t *p1s, float *s,
+                                                          float *const *parts, const int DT) {
+    const int64_t G = j->H / j->KVH, P1 = p1s[nt - 1];
+    const int64_t *table = j->tables + j->tok_seq[t0] * j->table_stride;
     const int64_t hoff = g * j->head_stride;
     int64_t offs[CHUNK];
-    for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
+    for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < P1; p++) {
         offs[p - p0] = table[bi] * j->block_stride + o * j->tok_stride + hoff;
         if (++o == j->BS) o = 0, bi++;
     }
     float tmp[64];
-    for (int64_t i0 = 0; i0 < n; i0 += 8) {
-        const int m = n - i0 < 8 ? (int)(n - i0) : 8;
-        for (int u = m; u < 8; u++) vf_store(tmp + 8 * u, vf_zero());
+    for (int64_t i0 = 0; i0 < P1 - p0; i0 += 8) {
+        for (int i = 0; i < nt; i++) {
+            const int64_t n = p1s[i] - p0;
+            if (i0 >= n) continue;
+            const int m = n - i0 < 8 ? (int)(n - i0) : 8;
+            for (int u = m; u < 8; u++) vf_store(tmp + 8 * u, vf_zero());
+            const float *q = j->q + (t0 + i) * j->q_stride + g * G * 64;
+            for (int64_t h = 0; h < G; h++) {
+                const float *qh = q + h * 64;
+                for (int u = 0; u < m; u++) { /* dot_kv: a0 the even groups of 8, a1 the odd ones */
+                    const void *k = at(j->k, offs[i0 + u], DT);
+                    vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
+                    vf a1 = vf_fma(vf_load(qh + 8), load8(k, 8, DT), vf_zero());
+                    a0 = vf_fma(vf_load(qh + 16), load8(k, 16, DT), a0);
+                    a1 = vf_fma(vf_load(qh + 24), load8(k, 24, DT), a1);
+                    a0 = vf_fma(vf_load(qh + 32), load8(k, 32, DT), a0);
+                    a1 = vf_fma(vf_load(qh + 40), load8(k, 40, DT), a1);
+                    a0 = vf_fma(vf_load(qh + 48), load8(k, 48, DT), a0);
+                    a1 = vf_fma(vf_load(qh + 56), load8(k, 56, DT), a1);
+                    vf_store(tmp + 8 * u, vf_add(a0, a1));
+                }
+                /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
+                const vf r = vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(j->scale));
+                float *sh = s + i * G * CHUNK + h * n + i0;
+                if (m == 8) vf_store(sh, r);
+                else {
+                    float t8[8];
+                    vf_store(t8, r);
+                    memcpy(sh, t8, sizeof(float) * (size_t)m);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nt; i++) {
+        const int64_t n = p1s[i] - p0, pos = j->tok_pos[t0 + i];
         for (int64_t h = 0; h < G; h++) {
-            const float *qh = q + h * 64;
-            for (int u = 0; u < m; u++) { /* dot_kv: a0 the even groups of 8, a1 the odd ones */
-                const void *k = at(j->k, offs[i0 + u], DT);
-                vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
-                vf a1 = vf_fma(vf_load(qh + 8), load8(k, 8, DT), vf_zero());
-                a0 = vf_fma(vf_load(qh + 16), load8(k, 16, DT), a0);
-                a1 = vf_fma(vf_load(qh + 24), load8(k, 24, DT), a1);
-                a0 = vf_fma(vf_load(qh + 32), load8(k, 32, DT), a0);
-                a1 = vf_fma(vf_load(qh + 40), load8(k, 40, DT), a1);
-                a0 = vf_fma(vf_load(qh + 48), load8(k, 48, DT), a0);
-                a1 = vf_fma(vf_load(qh + 56), load8(k, 56, DT), a1);
-                vf_store(tmp + 8 * u, vf_add(a0, a1));
+            float *sh = s + i * G * CHUNK + h * n;
+            if (j->slopes) {
+                const float slope = j->slopes[g * G + h];
+                for (int64_t x = 0; x < n; x++) sh[x] = sh[x] + slope * (float)(p0 + x - pos);
             }
-            /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
-            const vf r = vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(j->scale));
-            float *sh = s + h * n + i0;
-            if (m == 8) vf_store(sh, r);
-            else {
-                float t8[8];
-                vf_store(t8, r);
-                memcpy(sh, t8, sizeof(float) * (size_t)m);
-            }
+            /* the maximum (NaN scores are passed over, as in piece_dt): per lane, then across lanes in order */
+            vf mv = vf_set1(-INFINITY);
+            int64_t x = 0;
+            for (; x + 8 <= n; x += 8) mv = vf_max(vf_load(sh + x), mv);
+            float lanes[8], mx = -INFINITY;
+            vf_store(lanes, mv);
+            for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+            for (; x < n; x++) mx = sh[x] > mx ? sh[x] : mx;
+            float *ph = parts[i] + h * 66;
+            ph[0] = mx;
+            ph[1] = kvq_exp_shift_sum(sh, n, mx);
         }
     }
-    for (int64_t h = 0; h < G; h++) {
-        float *sh = s + h * n;
-        if (j->slopes) {
-            const float slope = j->slopes[g * G + h];
-            for (int64_t i = 0; i < n; i++) sh[i] = sh[i] + slope * (float)(p0 + i - pos);
+    for (int c = 0; c < 64; c += 16)
+        for (int i = 0; i < nt; i++) {
+            const int64_t n = p1s[i] - p0;
+            const float *si = s + i * G * CHUNK;
+            for (int64_t h = 0; h < G; h += 3) {
+                const int64_t nh = G - h < 3 ? G - h : 3;
+                if (nh == 3) values64(j->v, offs, n, si, parts[i], h, 3, c, DT);
+                else if (nh == 2) values64(j->v, offs, n, si, parts[i], h, 2, c, DT);
+                else values64(j->v, offs, n, si, parts[i], h, 1, c, DT);
+            }
         }
-        /* the maximum (NaN scores are passed over, as in piece_dt): per lane, then across lanes in order */
-        vf mv = vf_set1(-INFINITY);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) mv = vf_max(vf_load(sh + i), mv);
-        float lanes[8], mx = -INFINITY;
-        vf_store(lanes, mv);
-        for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
-        for (; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-        float *ph = part + h * 66;
-        ph[0] = mx;
-        ph[1] = kvq_exp_shift_sum(sh, n, mx);
-    }
-    for (int64_t h = 0; h < G; h += 3) {
-        const int64_t nh = G - h < 3 ? G - h : 3;
-        if (nh == 3) values64(j->v, offs, n, s, part, h, 3, DT);
-        else if (nh == 2) values64(j->v, offs, n, s, part, h, 2, DT);
-        else values64(j->v, offs, n, s, part, h, 1, DT);
-    }
+}
+
+static void piece64_tile(const struct kvq_attn *j, int64_t t0, int nt, int64_t g, int64_t p0, const int64_t *p1s,
+                         float *s, float *const *parts) {
+    if (j->kv_dtype == KV_BF16) piece64(j, t0, nt, g, p0, p1s, s, parts, KV_BF16);
+    else piece64(j, t0, nt, g, p0, p1s, s, parts, KV_F32);
 }
 
 /* Piece [p0, p1) of query token t, kv head g: per query head of the group, part[h * (D + 2) + ...] = m, l, o.
@@ -308,7 +328,7 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
     const int64_t hoff = g * j->head_stride;
     const int64_t GS = kv_group(D);
     if (!KV_IS_8BIT(DT) && D == 64) {
-        piece64(j, t, g, p0, p1, s, part, DT);
+        piece64(j, t, 1, g, p0, &p1, s, &part, DT);
         return;
     }
     for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
@@ -634,15 +654,30 @@ int kvq_attention(const struct kvq_attn *jp) {
     int64_t maxc = 1;
     for (int64_t t = 0; t < j.T; t++) maxc = num_pieces(&j, t) > maxc ? num_pieces(&j, t) : maxc;
     const int split = pairs < 2 * (int64_t)nt && maxc > 1; /* pieces as work items */
-    const int64_t items = split ? pairs * maxc : pairs;
+    /* Otherwise items are (query tile, kv head): with head size 64, float values and no window, up to QTILE
+     * consecutive tokens of one sequence are a tile (their pieces read each cache row once); else one token. */
+    const int tiled = !split && D == 64 && (j.kv_dtype == KV_F32 || j.kv_dtype == KV_BF16) && j.window <= 0;
+    int64_t *tile0 = NULL, ntiles = j.T;
+    if (tiled) {
+        tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(j.T + 1));
+        if (!tile0) return KVQ_ENOMEM;
+        ntiles = 0;
+        for (int64_t t = 0; t < j.T; t++)
+            if (!(ntiles && t - tile0[ntiles - 1] < QTILE && j.tok_seq[t] == j.tok_seq[t - 1] &&
+                  j.tok_pos[t] == j.tok_pos[t - 1] + 1))
+                tile0[ntiles++] = t;
+        tile0[ntiles] = j.T;
+    }
+    const int64_t items = split ? pairs * maxc : ntiles * j.KVH;
     float *shared = split ? (float *)malloc(sizeof(float) * (size_t)(items * G * (D + 2))) : NULL;
     if (split && !shared) return KVQ_ENOMEM;
     if (nt > items) nt = (int)items;
+    const int64_t per_tok = maxc * G * (D + 2); /* a token's pieces */
     int status = KVQ_OK;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        char *s = (char *)malloc(piece_scratch(&j));
-        float *local = split ? NULL : (float *)malloc(sizeof(float) * (size_t)(maxc * G * (D + 2)));
+        char *s = (char *)malloc(tiled ? sizeof(float) * QTILE * (size_t)(G * CHUNK) : piece_scratch(&j));
+        float *local = split ? NULL : (float *)malloc(sizeof(float) * (size_t)((tiled ? QTILE : 1) * per_tok));
         if (!s || (!split && !local)) {
 #pragma omp atomic write
             status = KVQ_ENOMEM;
@@ -657,8 +692,27 @@ int kvq_attention(const struct kvq_attn *jp) {
                         piece_range(&j, t, c0 + c, &p0, &p1);
                         piece(&j, t, g, p0, p1, s, shared + it * G * (D + 2));
                     }
+                } else if (tiled) { /* kv head major: one head's keys and values stay in cache */
+                    const int64_t g = it / ntiles, t0 = tile0[it % ntiles];
+                    const int n = (int)(tile0[it % ntiles + 1] - t0);
+                    float *parts[QTILE];
+                    int64_t p1s[QTILE];
+                    for (int64_t c = 0; c < num_pieces(&j, t0 + n - 1); c++) {
+                        int a = 0; /* tokens whose positions reach piece c: a suffix of the tile */
+                        while (c >= num_pieces(&j, t0 + a)) a++;
+                        int64_t p0 = 0;
+                        for (int i = a; i < n; i++) {
+                            piece_range(&j, t0 + i, c, &p0, &p1s[i]);
+                            parts[i] = local + i * per_tok + c * G * (D + 2);
+                        }
+                        piece64_tile(&j, t0 + a, n - a, g, p0, p1s + a, (float *)s, parts + a);
+                    }
+                    for (int i = 0; i < n; i++)
+                        for (int64_t h = 0; h < G; h++)
+                            merge_out(&j, local + i * per_tok + h * (D + 2), num_pieces(&j, t0 + i), G,
+                                      j.out + (t0 + i) * j.out_stride + (g * G + h) * D);
                 } else {
-                    const int64_t t = it % j.T, g = it / j.T, C = num_pieces(&j, t); /* kv head major: one head's K/V stays in cache */
+                    const int64_t t = it % j.T, g = it / j.T, C = num_pieces(&j, t);
                     const int64_t c0 = first_pos(&j, t) / CHUNK;
                     for (int64_t c = 0; c < C; c++) {
                         int64_t p0, p1;
@@ -672,6 +726,7 @@ int kvq_attention(const struct kvq_attn *jp) {
         }
         free(s), free(local);
     }
+    free(tile0);
     if (split && status == KVQ_OK) {
         for (int64_t pair = 0; pair < pairs; pair++) {
             const int64_t t = pair / j.KVH, g = pair % j.KVH;
