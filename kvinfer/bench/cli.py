@@ -66,7 +66,8 @@ def register(sub) -> None:
                    help="llama.cpp's llama-bench binary for --compare llama.cpp (default $LLAMA_BENCH)")
     d.add_argument("--rounds", type=int_at_least("--rounds"), default=1,
                    help="measure kvinfer and every peer this many times, taking turns, and report the medians "
-                        "with the range of the per-round ratios (default 1; this machine's noise is 10-20%%)")
+                        "with every round's ratios (default 1; on a shared machine, whose runs vary by 10-20%%, "
+                        "use 3-5)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(d)
     d.set_defaults(func=cmd_decode)
