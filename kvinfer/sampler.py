@@ -10,6 +10,15 @@ from kvinfer.sampling_params import SamplingParams
 from kvinfer.structured import GrammarCompiler, apply_grammar_masks
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest value (the first one on ties; a NaN counts as the largest, as in torch).
+    On CPU through numpy: torch's argmax over a 49k vocabulary takes ~120 us, numpy's ~9 (AMD EPYC, AVX2), a
+    twentieth of a decode step of a small model."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.reshape(-1, logits.shape[-1]).numpy().argmax(axis=-1).tolist()
+    return logits.reshape(-1, logits.shape[-1]).argmax(dim=-1).tolist()
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
@@ -125,13 +134,13 @@ class Sampler:
             logits = logits.clone()
             apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained], self.grammars)
         if simple:
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = argmax_rows(logits)
         else:
             tokens = []
             for i, r in enumerate(rows):
                 row = process_row(logits[i], r)
                 if r.params.greedy:
-                    tokens.append(int(row.argmax()))
+                    tokens.append(argmax_rows(row)[0])
                     continue
                 probs = filter_probs(row, r.params)
                 tokens.append(draw(probs, r.generator))

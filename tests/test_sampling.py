@@ -99,3 +99,19 @@ def test_draw_follows_probabilities_never_draws_zeros_and_repeats_with_its_gener
     point = torch.zeros(50)
     point[49] = 1e-30  # unnormalised, all mass on the last entry
     assert all(draw(point, g) == 49 for _ in range(20))
+
+
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included():
+    from kvinfer.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1000, generator=g)
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first
+    x[2, 7] = float("nan")  # NaN counts as the largest, as in torch
+    x[3] = 0.0
+    x[3, 5] = -0.0
+    want = x.argmax(dim=-1).tolist()
+    assert argmax_rows(x) == want and want[1] == 10 and want[2] == 7
+    assert argmax_rows(x[4]) == [int(x[4].argmax())]
+    assert argmax_rows(x[:, ::3]) == x[:, ::3].argmax(dim=-1).tolist()  # strided rows
+    assert argmax_rows(x.double()) == want  # other dtypes take torch's route

@@ -9,7 +9,7 @@ import torch
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.kv.factory import KVSpec, make_kv
 from kvinfer.request import Request
-from kvinfer.sampler import draw, filter_probs
+from kvinfer.sampler import argmax_rows, draw, filter_probs
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -90,7 +90,7 @@ class DraftProposer:
                 row = logits[row_of[id(sh.req)]]
                 p = r.params
                 if p.greedy:
-                    tok = int(row.argmax())
+                    tok = argmax_rows(row)[0]
                 else:
                     q = filter_probs(row.clone(), p)  # [vocab]
                     tok = draw(q, r.generator)
