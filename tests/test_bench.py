@@ -47,18 +47,15 @@ def test_bench_decode_table(tiny_llama_dir, capsys):
 
 def test_bench_decode_rounds_take_turns_and_report_medians(tiny_llama_dir, capsys):
     argv = ["bench", "decode", "--model", tiny_llama_dir, "--tokens", "4", "--prompt-tokens", "4", "--block-size", "2",
-            "--compare", "no-invariance", "--rounds", "3"]
-    assert main(argv + ["--json"]) == 0
+            "--rounds", "2"]
+    assert main(argv + ["--compare", "no-invariance", "--json"]) == 0
     mine, star = json.loads(capsys.readouterr().out)["rows"]
-    assert mine["rounds"] == star["rounds"] == 3
+    assert mine["rounds"] == star["rounds"] == 2
     assert mine["cached_prompt_tokens"] == 0  # every round a new prompt: no prefix-cache hit in later rounds
-    assert len(star["round_decode_ratios"]) == len(star["round_prefill_ratios"]) == 3
+    assert len(star["round_decode_ratios"]) == len(star["round_prefill_ratios"]) == 2
     assert all(x > 0 for x in star["round_decode_ratios"] + star["round_prefill_ratios"])
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "medians of 3 rounds" in out
-    line = next(ln for ln in out.splitlines() if ln.strip().startswith("vs kvinfer*:"))
-    assert line.count("x / ") == 3
+    assert main(argv + ["--compare", "none"]) == 0
+    assert "medians of 2 rounds" in capsys.readouterr().out
 
 
 def test_bench_rejects_unknown_peer(capsys):

@@ -327,8 +327,8 @@ static inline __attribute__((always_inline)) void piece_dt(const struct kvq_attn
     const float *q = j->q + t * j->q_stride + g * G * D;
     const int64_t hoff = g * j->head_stride;
     const int64_t GS = kv_group(D);
-    if (!KV_IS_8BIT(DT) && D == 64) {
-        piece64(j, t, 1, g, p0, &p1, s, &part, DT);
+    if (!KV_IS_8BIT(DT) && D == 64) { /* (one compiled copy of piece64 per value type: see piece64_tile) */
+        piece64_tile(j, t, 1, g, p0, &p1, s, &part);
         return;
     }
     for (int64_t p = p0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++) {
