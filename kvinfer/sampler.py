@@ -12,8 +12,8 @@ from kvinfer.structured import GrammarCompiler, apply_grammar_masks
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value (the first one on ties; a NaN counts as the largest, as in torch).
-    On CPU through numpy: torch's argmax over a 49k vocabulary takes ~120 us, numpy's ~9 (AMD EPYC, AVX2), a
-    twentieth of a decode step of a small model."""
+    On CPU through numpy: torch's argmax over a 49k vocabulary takes ~120 us, numpy's ~9 (AMD EPYC, AVX2): the
+    difference is ~1.4% of a decode step of the built-in model."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return logits.reshape(-1, logits.shape[-1]).numpy().argmax(axis=-1).tolist()
     return logits.reshape(-1, logits.shape[-1]).argmax(dim=-1).tolist()

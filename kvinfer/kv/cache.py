@@ -287,17 +287,10 @@ class PagedCache(_Backend):
             # Plain lists, then one tensor each: a decode step's metadata is a handful of numbers, and torch's
             # per-op cost would be most of the time spent here.
             nblk = max(-(-s.end // bs) for s in seqs)
-            rows, tok_seq, tok_pos, slots = [], [], [], []
-            for i, s in enumerate(seqs):
-                t = list(s.block_table[:nblk])
-                rows.append(t + [0] * (nblk - len(t)))
-                for p in range(s.start, s.end):
-                    tok_seq.append(i)
-                    tok_pos.append(p)
-                    slots.append(t[p // bs] * bs + p % bs)  # where this token's K/V are stored
-            km = KernelAttn(torch.tensor(rows, dtype=torch.long), torch.tensor(tok_seq, dtype=torch.long),
-                            torch.tensor(tok_pos, dtype=torch.long), bs, self.num_blocks,
-                            all(is_decode(s) for s in seqs))
+            rows = [list(s.block_table[:nblk]) for s in seqs]
+            slots = [t[p // bs] * bs + p % bs for t, s in zip(rows, seqs) for p in range(s.start, s.end)]
+            km = self._kernel_md(seqs, torch.tensor([t + [0] * (nblk - len(t)) for t in rows], dtype=torch.long),
+                                 bs, self.num_blocks)
             return AttentionMetadata(groups=[], slot_mapping=torch.tensor(slots, dtype=torch.long), kernel=km)
         for members in _group_seqs(seqs):
             b = len(members)
