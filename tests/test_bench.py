@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from kvinfer import kernels
+from kvinfer.bench import machine, machine_line
 from kvinfer.bench.workload import throughput_workload
 from kvinfer.cli import main
 
@@ -29,6 +31,7 @@ def test_bench_throughput_prints_ours_before_the_peers(tiny_llama_dir, capsys):
     out = capsys.readouterr().out
     assert out.index("generated tokens/s") < out.index("KV blocks peak") < out.index("engine ")
     assert "utilisation" in out and "peak RSS" in out and "transformers" not in out
+    assert out.splitlines()[1].startswith("machine: ")  # every figure says what it was measured on
 
 
 def test_bench_decode_table(tiny_llama_dir, capsys):
@@ -43,6 +46,24 @@ def test_bench_decode_table(tiny_llama_dir, capsys):
         assert r["prefill_tps"] == 4 / r["ttft"]
     assert res["rows"][0]["cached_prompt_tokens"] == 0  # the warm-up must not serve the prompt from the cache
     assert res["rows"][1]["kvinfer_vs_this"] == res["rows"][0]["decode_tps"] / res["rows"][1]["decode_tps"]
+    assert res["machine"]["kernels"] == (kernels.level() or "off") and res["machine"]["cpu"]
+
+
+def test_machine_names_the_cpu_its_isa_flags_and_the_kernel_level(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"
+                    "flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512_vnni avx512_bf16 amx_tile amx_int8 sha_ni\n\n"
+                    "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
+    m = machine(info)
+    assert m["cpu"] == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"  # the first processor's
+    assert m["isa"] == ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"]
+    assert m["kernels"] == (kernels.level() or "off") and m["cores"] >= 1
+    line = machine_line(m)
+    assert line.startswith("machine: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, ")
+    assert "; avx2 fma f16c avx512f avx512_vnni avx512_bf16 amx_tile amx_int8; AMX " in line
+    assert line.endswith(f"; kernels {m['kernels']}")
+    unreadable = machine(tmp_path / "missing")  # not Linux: the platform's name, no flags, no crash
+    assert unreadable["cpu"] and unreadable["isa"] == [] and "no AVX2" in machine_line(unreadable)
 
 
 def test_bench_decode_rounds_take_turns_and_report_medians(tiny_llama_dir, capsys):

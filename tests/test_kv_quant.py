@@ -343,8 +343,8 @@ def test_bench_kv_attention_times_every_dtype_on_the_same_values(capsys):
     assert all(r["us_per_call"] > 0 and r["median_round_ratio"] > 0 for r in rows.values())
     assert main(["bench", "kv-attention", "--context", "64", "--calls", "1", "--rounds", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "over 64 positions" in out[0]
-    assert [line.split()[0] for line in out[2:]] == ["float32", "int8", "fp8", "bfloat16"]
+    assert "over 64 positions" in out[0] and out[1].startswith("machine: ")
+    assert [line.split()[0] for line in out[3:]] == ["float32", "int8", "fp8", "bfloat16"]
 
 
 def test_bench_throughput_compares_an_8bit_cache_at_the_same_budget(tiny_llama_dir, capsys):

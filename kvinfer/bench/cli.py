@@ -9,6 +9,8 @@ import statistics
 import sys
 import time
 
+from kvinfer.bench import machine, machine_line
+
 
 NO_INVARIANCE = "kvinfer, KVINFER_BATCH_INVARIANT=0"
 
@@ -292,11 +294,13 @@ def cmd_decode(args) -> int:
         r["kvinfer_vs_this"] = ref / r["decode_tps"]
         r["kvinfer_prefill_vs_this"] = rows[0]["prefill_tps"] / r["prefill_tps"]
     if args.json:
-        print(json.dumps(dict(model=_model_label(engine), threads=_threads(), prompt_tokens=args.prompt_tokens,
+        print(json.dumps(dict(model=_model_label(engine), machine=machine(), threads=_threads(),
+                              prompt_tokens=args.prompt_tokens,
                               new_tokens=args.tokens, rows=rows), indent=2))
         return 0
     print(f"kvinfer bench decode: {_model_label(engine)}, {_threads()} threads, prompt {args.prompt_tokens} tokens, "
           f"{args.tokens} new tokens, greedy, single stream")
+    print(machine_line())
     print(f"{'engine':<14}{'load s':>8}{'TTFT ms':>10}{'prefill tok/s':>15}{'decode tok/s':>14}"
           f"{'kvinfer speedup (decode, prefill)':>36}")
     for r in rows:
@@ -368,6 +372,7 @@ def cmd_throughput(args) -> int:
         print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
               f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}, KV cache {eng.kv_dtype} "
               f"({format_bytes(eng.kv_bytes_per_token)} per token)")
+        print(machine_line())
         print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
         print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")
         print(f"  TPOT mean/p99        {ours['tpot_mean'] * 1000:.1f} / {ours['tpot_p99'] * 1000:.1f} ms")
@@ -447,7 +452,8 @@ def cmd_throughput(args) -> int:
     for r in rows:
         r["kvinfer_vs_this"] = ours["tps"] / r["tps"]
     if args.json:
-        print(json.dumps(dict(threads=_threads(), requests=len(work), rows=rows), indent=2, default=str))
+        print(json.dumps(dict(machine=machine(), threads=_threads(), requests=len(work), rows=rows), indent=2,
+                         default=str))
         return 0
     print(f"{'engine':<42}{'gen tok/s':>10}{'wall s':>9}{'kvinfer speedup':>17}{'KV blocks':>11}{'preemptions':>13}")
     for r in rows:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 import time
 
+from kvinfer.bench import machine_line
+
 WAYS = ("batch of 24", "shuffled order", "chunked prefill (64-token budget)", "after a prefix-cache hit",
         "small KV budget (preemption)", "contiguous backend", "none backend")
 
@@ -88,6 +90,7 @@ def cmd_exact(args) -> int:
     print(f"kvinfer bench exact: {n} requests x {args.tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'sampled at T={args.temperature}, seeded'}), "
           f"each compared with itself served alone; {time.perf_counter() - t0:.0f} s")
+    print(machine_line())
     print(f"{'way of serving':<36}{'bitwise identical':>18}{'same tokens':>13}")
     total = same_total = 0
     for way in WAYS:

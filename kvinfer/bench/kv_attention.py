@@ -6,6 +6,8 @@ import json
 import statistics
 import time
 
+from kvinfer.bench import machine, machine_line
+
 # The built-in model's attention shapes (SmolLM2-135M: 9 query heads sharing 3 KV heads of 64 values).
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = ("float32", "int8", "fp8", "bfloat16")
@@ -94,12 +96,14 @@ def cmd_kv_attention(args) -> int:
     if not kernels.available():
         raise RuntimeError(f"the attention kernel is unavailable: {kernels.unavailable_reason()}")
     res = measure(args.context, args.calls, args.rounds, args.threads)
+    res["machine"] = machine()
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(f"kvinfer bench kv-attention: one decode query over {res['context']} positions, {HEADS} heads / "
           f"{KV_HEADS} KV heads x {HEAD_DIM}, {res['threads']} threads, kernels {res['level']}, best of "
           f"{res['rounds']} rounds x {res['calls']} calls")
+    print(machine_line())
     print(f"{'KV dtype':<10}{'us/call':>10}{'vs float32':>12}{'median round':>14}{'bytes/position':>16}"
           f"{'max |out diff|':>16}")
     for r in res["rows"]:

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from kvinfer.bench import machine, machine_line
+
 
 def register_serve(bench_subparsers) -> None:
     from kvinfer.cli import add_engine_args
@@ -182,12 +184,13 @@ def cmd_bench_serve(args) -> int:
     rows = [offline, http]
     threads = torch.get_num_threads()
     if args.json:
-        print(json.dumps(dict(model=label, threads=threads, requests=len(work), concurrency=concurrency,
+        print(json.dumps(dict(model=label, machine=machine(), threads=threads, requests=len(work), concurrency=concurrency,
                               rounds=args.rounds, rows=rows, all_rounds=dict(offline=offline_rows, http=http_rows),
                               http_over_offline=ratio), indent=2))
         return 0
     print(f"kvinfer bench serve: {label}, {threads} threads, {len(work)} requests (prompt 16-512, output 16-256 "
           f"tokens, random ids, greedy, ignore_eos), concurrency {concurrency}, best of {args.rounds} round(s)")
+    print(machine_line())
     print(f"{'mode':<22}{'seconds':>9}{'gen tok/s':>11}{'req/s':>8}{'TTFT p50/p90/p99 ms':>24}"
           f"{'ITL p50/p90/p99 ms':>22}{'steps':>7}{'preempt':>9}")
     for r in rows:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import time
 
+from kvinfer.bench import machine, machine_line
+
 
 def register_spec(bs) -> None:
     from kvinfer.cli import add_engine_args, int_at_least
@@ -112,12 +114,13 @@ def cmd_spec(args) -> int:
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
-        print(json.dumps(dict(model=label, threads=_threads(), speculative=how,
+        print(json.dumps(dict(model=label, machine=machine(), threads=_threads(), speculative=how,
                               num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=args.max_tokens,
                               rows=rows), indent=2))
         return 0
     print(f"kvinfer bench spec: {label}, {_threads()} threads, speculative {how}, "
           f"k={cfg.num_speculative_tokens}, greedy; extractive prompts up to {args.max_tokens} new tokens")
+    print(machine_line())
     print(f"{'workload':<36}{'off tok/s':>10}{'on tok/s':>10}{'speed-up':>10}{'accepted':>10}"
           f"{'mean len':>10}{'identical':>11}")
     for r in rows:

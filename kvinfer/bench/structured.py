@@ -5,6 +5,8 @@ import json
 import sys
 import time
 
+from kvinfer.bench import machine, machine_line
+
 # Long by construction (at least 20 items), so every constrained sequence runs to --tokens like the
 # unconstrained ones with ignore_eos, and both runs decode the same batch for the same number of steps.
 BENCH_SCHEMA = {"type": "array", "minItems": 20, "items": {
@@ -89,12 +91,13 @@ def cmd_structured(args) -> int:
     best = {k: max(v, key=lambda r: r["decode_tps"]) for k, v in runs.items()}
     ratio = best["json_schema"]["decode_tps"] / max(best["unconstrained"]["decode_tps"], 1e-9)
     res = dict(requests=args.requests, tokens=args.tokens, rounds=args.rounds, best=best, runs=runs,
-               constrained_vs_unconstrained=ratio)
+               constrained_vs_unconstrained=ratio, machine=machine())
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(f"kvinfer bench structured: {args.requests} concurrent requests x {args.tokens} tokens, "
           f"best of {args.rounds} runs each")
+    print(machine_line())
     for name, r in best.items():
         mask = f", masks {r['mask_seconds'] * 1000 / max(1, r['mask_calls']):.2f} ms/step" \
             if name == "json_schema" else ""
