@@ -185,6 +185,17 @@ def test_one_openmp_runtime_shared_with_torch():
 
 
 @pytest.fixture
+def reloaded_kernels(monkeypatch):
+    """kernels with its load state cleared (the on-disk cache kept: the levels are built once per suite);
+    restored afterwards."""
+    kernels._reset()
+    yield kernels
+    monkeypatch.undo()
+    kernels._reset()
+    assert kernels.available()
+
+
+@pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
     """kernels with its load state cleared and an empty cache; restored afterwards."""
     monkeypatch.setenv("KVINFER_CACHE", str(tmp_path))
@@ -220,7 +231,8 @@ def test_failing_compiler_and_switch_off_report_unavailable(fresh_kernels, monke
     assert "KVINFER_KERNELS" in fresh_kernels.unavailable_reason()
 
 
-def test_dispatch_picks_the_best_level_and_honours_a_lower_one(fresh_kernels, monkeypatch):
+def test_dispatch_picks_the_best_level_and_honours_a_lower_one(reloaded_kernels, monkeypatch):
+    fresh_kernels = reloaded_kernels
     monkeypatch.delenv("KVINFER_ISA", raising=False)  # the suite may run with a lower level forced
     fresh_kernels._reset()
     feats = fresh_kernels.cpu_features()
@@ -295,12 +307,15 @@ PLAIN_FLAGS = kernels.LEVEL_FLAGS["generic"]
 
 
 def test_build_is_cached_and_safe_in_parallel(tmp_path):
+    # The small CPU-probe source: the same build path as the kernels' (hash, temporary name, rename) at a
+    # fraction of their compile time; the kernel libraries themselves are built by the first test that loads them.
     out = tmp_path / "k"
+    src = [kernels.DISPATCH_SOURCE]
     paths, errors = [], []
 
     def go():
         try:
-            paths.append(kernels.build(flags=PLAIN_FLAGS, cache_dir=out))
+            paths.append(kernels.build(flags=PLAIN_FLAGS, cache_dir=out, sources=src))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -313,9 +328,11 @@ def test_build_is_cached_and_safe_in_parallel(tmp_path):
     path = paths[0]
     assert sorted(p.name for p in out.iterdir()) == [path.name]  # no temporaries left behind
     mtime = os.stat(path).st_mtime_ns
-    assert kernels.build(flags=PLAIN_FLAGS, cache_dir=out) == path and os.stat(path).st_mtime_ns == mtime
-    assert kernels.build(cc="kvinfer-no-such-cc", flags=PLAIN_FLAGS, cache_dir=out) == path  # cached: no compiler
-    assert ctypes.CDLL(str(path)).kvq_level() == 0
+    assert kernels.build(flags=PLAIN_FLAGS, cache_dir=out, sources=src) == path and os.stat(path).st_mtime_ns == mtime
+    assert kernels.build(cc="kvinfer-no-such-cc", flags=PLAIN_FLAGS, cache_dir=out, sources=src) == path  # cached
+    lib = ctypes.CDLL(str(path))
+    lib.kvq_cpu_features.restype = ctypes.c_int
+    assert lib.kvq_cpu_features() & 1  # this project's machines have AVX2, and the probe says so
 
 
 # --- QuantLinear / QuantEmbedding ---------------------------------------------------------------------------
