@@ -35,7 +35,7 @@ browser:
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends chromium fonts-dejavu-core; } >/dev/null || echo "could not install chromium"; }
 
-# The figures README's Benchmarks section cites, each header naming the machine (about 15 minutes on 2 cores).
+# The figures README's Benchmarks section cites, each header naming the machine (about 5 minutes on 2 cores).
 # llama.cpp peers: LLAMA_BENCH=path/to/llama-bench LLAMA_SERVER=path/to/llama-server make bench
 bench: $(VENV)/.installed-test
 	$(VENV)/bin/kvinfer bench decode --tokens 128 --prompt-tokens 32 --compare llama.cpp --rounds 5
