@@ -89,12 +89,12 @@ class ModelRunner:
         self.backend.copy_blocks(p.block_copies)
         md = self.backend.prepare(p.slices)
         input_ids = torch.tensor(p.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
         if md.kernel is not None and md.kernel.decode_only:  # every sequence decodes one token
             fused = self._fused_decode()
-            if fused is not None:
-                y = fused(input_ids, positions, md, with_logits)
+            if fused is not None:  # (positions: from md.kernel)
+                y = fused(input_ids, md, with_logits)
                 return (None, y) if with_logits and fused.fuses_head else (y, None)
+        positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, md, self.backend), None
 
     @torch.inference_mode()

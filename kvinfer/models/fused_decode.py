@@ -101,10 +101,10 @@ class FusedDecode:
         if self._current_ptrs() != self._ptrs:
             self.__init__(self.model, self.backend)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md, with_logits: bool = False) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, md, with_logits: bool = False) -> torch.Tensor:
         """For a step of B single-token decodes (md.kernel set, decode_only): hidden states [B, hidden] after the
-        final norm, or with with_logits and fuses_head, the logits [B, vocab] float32. positions must equal
-        md.kernel.tok_pos (the step reads each sequence's position from there)."""
+        final norm, or with with_logits and fuses_head, the logits [B, vocab] float32. Each sequence's position
+        is read from md.kernel.tok_pos."""
         self._check_ptrs()
         cfg, model, kv, km = self.cfg, self.model, self.backend, md.kernel
         B, hid = input_ids.shape[0], cfg.hidden_size
