@@ -38,6 +38,9 @@ class Request:
     # recompute replays the same tokens through the model only.
     grammar: Any = None
     logprobs: list = field(default_factory=list)
+    # params.prompt_logprobs: Logprob of prompt token i + 1 at index i, filled as the prompt is computed (by the
+    # first sample of a group only; prefix-cache hits are not taken until the list is complete).
+    prompt_logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     group_id: Optional[str] = None
     index: int = 0  # sample index within its group (n > 1)
@@ -75,6 +78,12 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (they come from the first sample's prefill)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -102,20 +102,24 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
     return row
 
 
+def row_logprob(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of `token`, the k most likely (id, logprob) pairs) from one row of raw logits [vocab]: the one
+    computation behind the logprobs of generated and of prompt tokens alike. One row at a time: a softmax over
+    [rows, vocab] may reduce differently with the row count."""
+    logp = torch.log_softmax(row, dim=-1)
+    top = []
+    if k:
+        v, ix = logp.topk(k)
+        top = list(zip(ix.tolist(), v.tolist()))
+    return float(logp[token]), top
+
+
 def chosen_logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: Sequence[int]) -> list:
     """(logprob of the chosen token, top-k pairs) per row that asked for logprobs, from the raw logits [n, vocab]."""
     lps: list = [None] * len(rows)
     for i, r in enumerate(rows):
-        if r.params.logprobs is None:
-            continue
-        # One row at a time: a softmax over [rows, vocab] may reduce differently with the row count.
-        logp = torch.log_softmax(raw[i], dim=-1)
-        k = r.params.logprobs
-        top = []
-        if k:
-            v, ix = logp.topk(k)
-            top = list(zip(ix.tolist(), v.tolist()))
-        lps[i] = (float(logp[tokens[i]]), top)
+        if r.params.logprobs is not None:
+            lps[i] = row_logprob(raw[i], tokens[i], r.params.logprobs)
     return lps
 
 

@@ -70,6 +70,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-k logprobs per generated token
+    prompt_logprobs: Optional[int] = None  # top-k logprobs of each prompt token after the first (vLLM's)
     skip_special_tokens: bool = True
     logit_bias: Optional[dict] = None  # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     # A grammar the output must follow (token masks from llguidance, see kvinfer/structured.py).
@@ -125,6 +126,9 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -22,7 +22,8 @@ MAX_LEN = 96
 
 
 def _requests(vocab: int, lo: int) -> list[tuple[list[int], SamplingParams]]:
-    """Six requests: shared prefixes (prefix-cache hits), lengths 3-41, greedy and seeded sampling, logprobs."""
+    """Six requests: shared prefixes (prefix-cache hits), lengths 3-41, greedy and seeded sampling, logprobs, and
+    prompt logprobs for two of them (one of which shares its prefix with others)."""
     g = torch.Generator().manual_seed(5)
     stem = torch.randint(lo, vocab, (24,), generator=g).tolist()
     prompts = [stem[:20] + [lo + 1, lo + 2], stem[:20] + [lo + 3], stem + stem[:17],
@@ -34,6 +35,8 @@ def _requests(vocab: int, lo: int) -> list[tuple[list[int], SamplingParams]]:
             p = SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=2)
         else:
             p = SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True, logprobs=2)
+        if i in (0, 2):
+            p = SamplingParams(**{**p.__dict__, "prompt_logprobs": 2 - i})
         params.append(p)
     return list(zip(prompts, params))
 
@@ -64,8 +67,11 @@ def _serve(loaded, path, reqs, *, kv_cache="paged", block_size=16, kv_tokens=Non
         for out in eng.step():
             if out.finished:
                 c = out.outputs[0]
+                pl = out.prompt_logprobs
                 done[int(out.request_id)] = (list(c.token_ids), [lp.logprob for lp in c.logprobs],
-                                             [lp.top for lp in c.logprobs])
+                                             [lp.top for lp in c.logprobs],
+                                             None if pl is None else [lp and (lp.token_id, lp.logprob, lp.top)
+                                                                      for lp in pl])
         step += 1
     return done, eng.scheduler.num_preemptions
 
@@ -73,7 +79,7 @@ def _serve(loaded, path, reqs, *, kv_cache="paged", block_size=16, kv_tokens=Non
 ways = st.fixed_dictionaries({
     "kv_cache": st.sampled_from(["paged", "paged", "contiguous", "none"]),
     "block_size": st.sampled_from([1, 4, 16, 32]),
-    "kv_tokens": st.sampled_from([None, 96, 160]),  # small budgets preempt
+    "kv_tokens": st.sampled_from([None, 72, 160]),  # small budgets preempt
     "budget": st.sampled_from([2048, 64, 16, 7]),  # chunked prefill
     "prefix": st.booleans(),
     "arrivals": st.lists(st.integers(0, 12), min_size=6, max_size=6),
@@ -87,6 +93,7 @@ def _check(loaded, path, reqs, alone, way):
         assert got[i][0] == want[0], (i, way)  # tokens
         assert got[i][1] == want[1], (i, way)  # logprobs, bitwise
         assert got[i][2] == want[2], (i, way)  # top alternatives and their logprobs
+        assert got[i][3] == want[3], (i, way)  # prompt logprobs
 
 
 def _alone(loaded, path, reqs):
@@ -139,9 +146,16 @@ def test_the_property_really_preempts_and_chunks(builtin_llm):
     loaded = builtin_llm.engine.loaded
     reqs = _requests(49152, 1000)
     alone = _alone(loaded, None, reqs)
-    got, preemptions = _serve(loaded, None, reqs, kv_tokens=96, block_size=4, budget=16)
+    got, preemptions = _serve(loaded, None, reqs, kv_tokens=72, block_size=4, budget=16)
     assert preemptions > 0
-    assert all(got[i][:2] == alone[i][:2] for i in alone)
+    assert all(got[i] == alone[i] for i in alone)
+    # and the prompt logprobs are really there: none for the first prompt token, one per later token
+    for i, (prompt, p) in enumerate(reqs):
+        pl = alone[i][3]
+        assert (pl is None) == (p.prompt_logprobs is None)
+        if pl is not None:
+            assert pl[0] is None and len(pl) == len(prompt)
+            assert [t for t, _, _ in pl[1:]] == prompt[1:] and all(len(top) == p.prompt_logprobs for *_, top in pl[1:])
 
 
 def test_thread_count_does_not_change_a_bit(builtin_llm):

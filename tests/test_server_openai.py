@@ -142,8 +142,41 @@ def test_completion_logprobs_and_echo(client, model):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     e = client.completions.create(model=model, prompt="Hello, my name is", temperature=0, max_tokens=5, echo=True)
     assert e.choices[0].text == "Hello, my name is" + r.choices[0].text
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(client, lax_client, model):
+    # What evaluation harnesses send to score a text: echo + logprobs. The prompt's tokens come first, the
+    # first with null logprob and alternatives (as OpenAI's legacy API and vLLM send it; the SDK's strict types
+    # have no null there, hence the lax client), then the completion's, offsets into the echoed text.
+    prompt = "Hello, my name is"
+    plain = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+    e = lax_client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=4, logprobs=2, echo=True)
+    c, lp = e.choices[0], e.choices[0].logprobs
+    p, n = e.usage.prompt_tokens, e.usage.completion_tokens
+    assert c.text == prompt + plain.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == p + n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:p]) == prompt
+    assert lp.text_offset[:p] == [sum(len(t) for t in lp.tokens[:i]) for i in range(p)]
+    assert lp.text_offset[p] == len(prompt) and lp.text_offset == sorted(lp.text_offset)
+    for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert v <= 0 and top[tok] == v and len(top) in (2, 3)  # the token itself, and the 2 most likely
+    # the completion's part is exactly what the same request without echo reports
+    assert lp.tokens[p:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[p:] == plain.choices[0].logprobs.token_logprobs
+    # scoring prompt + completion: the completion's tokens get the logprobs they were generated with
+    whole = lax_client.completions.create(model=model, prompt=c.text, temperature=0, max_tokens=1, logprobs=0,
+                                         echo=True)
+    wl = whole.choices[0].logprobs
+    assert wl.tokens[p:p + n] == lp.tokens[p:] and wl.token_logprobs[p:p + n] == lp.token_logprobs[p:]
+    # streamed: the first chunk carries the prompt and its logprobs, the joined stream equals the whole reply
+    chunks = list(lax_client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=4,
+                                                logprobs=2, echo=True, stream=True))
+    toks = [t for ch in chunks for t in (ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else [])]
+    vals = [v for ch in chunks for v in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])]
+    offs = [v for ch in chunks for v in (ch.choices[0].logprobs.text_offset if ch.choices[0].logprobs else [])]
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert toks == lp.tokens and vals == lp.token_logprobs and offs == lp.text_offset
 
 
 def test_chat_logprobs(client, model):

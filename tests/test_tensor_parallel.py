@@ -227,7 +227,7 @@ def test_builtin_model_tp3_matches_tp1(tp3_engine, builtin_llm):
     eng = tp3_engine
     assert eng.tp.size == 3 and eng.loaded.quantized_modules > 0  # the Q4_1 kernels, sharded
     assert eng.kv_cache.k[0].shape[2] == 1  # one of the 3 KV heads per rank
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True, prompt_logprobs=1)
     ref = builtin_llm.generate(PROMPTS, params, use_tqdm=False)
     ids = [eng.add_request(None, p, params) for p in PROMPTS]
     done = {}
@@ -242,6 +242,9 @@ def test_builtin_model_tp3_matches_tp1(tp3_engine, builtin_llm):
         # all-reduce route (KVINFER_TP_EXACT=0) differs by up to ~7e-3 here: its other summation order changes last
         # bits, which the int16 rounding of activations per block in the quantized matmuls amplifies.
         assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+        # prompt logprobs too: every rank computes its slice of the head for the same rows
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(r.prompt_token_ids)
+        assert r.prompt_logprobs == done[i].prompt_logprobs
     head = eng.loaded.model.lm_head
     assert type(head).__name__ == "VocabParallelHead" and head.inner.out_features == 49152 // 3
     assert eng.tp.stats.allreduce_calls == eng.tp.stats.steps * 4 * eng.model_config.num_layers

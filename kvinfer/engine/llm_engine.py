@@ -36,6 +36,7 @@ class _Group:
     request_id: str
     reqs: list[Request]
     emitted: list[int]
+    prompt_logprobs_sent: bool = False
 
 
 def available_memory(device: torch.device) -> int:
@@ -444,8 +445,12 @@ class LLMEngine:
             deltas.append(SampleDelta(i, r.output_token_ids[start:], lps, r.finish_reason if r.is_finished else None,
                                       r.stop_reason))
         first = g.reqs[0]
+        prompt_lps = None
+        if first.params.prompt_logprobs is not None and not g.prompt_logprobs_sent and not first.needs_prompt_logprobs:
+            g.prompt_logprobs_sent = True  # once, with the output of the step that completed them
+            prompt_lps = [None] + first.prompt_logprobs  # the first prompt token has no logprob
         return CoreOutput(g.request_id, deltas, max(first.num_cached_tokens, 0), first.arrival_time,
-                          first.first_token_time, first.last_token_time)
+                          first.first_token_time, first.last_token_time, prompt_lps)
 
     # ---- introspection -------------------------------------------------------------------------
     def kv_usage(self) -> dict:

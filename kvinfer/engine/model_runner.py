@@ -19,10 +19,21 @@ class StepPlan:
     slices: list[SeqSlice]  # per sequence: cached tokens, new tokens, block table or slot
     block_copies: list  # copy-on-write (src, dst) block pairs to apply before the forward
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sharded LM head's)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs (likewise)
+
+
+PROMPT_LOGITS_ROWS = 64  # prompt-logprob rows per LM-head call: [64, vocab] float32 at a time, not [prompt, vocab]
+
+
+def row_chunks(rows: list[int]):
+    """The prompt-logprob rows in the slices every rank computes logits for, in order (tensor parallelism)."""
+    for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
+        yield rows[i:i + PROMPT_LOGITS_ROWS]
 
 
 class ModelRunner:
     use_fused_decode = True  # decode-only steps through FusedDecode where the model allows (tests compare both)
+    computes_prompt_logprobs = True  # False for a draft model's runner (its requests are shadows)
 
     def __init__(self, model, backend, manager, device):
         self.model = model
@@ -56,15 +67,22 @@ class ModelRunner:
                 rows.append((self.manager.seq_slice(s.request, s.start, s.num_new_tokens), s))
         return decodes_first(rows, lambda row: row[0])
 
-    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq]]:
-        """The step's model input as plain data, the rows to sample and the scheduled seqs they belong to.
+    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq], list]:
+        """The step's model input as plain data, the rows to sample, the scheduled seqs they belong to, and the
+        requests whose prompt logprobs the plan's prompt_rows give (one entry per row, in order).
 
         A sequence owns 1 + len(spec_token_ids) consecutive sample rows: the prediction after its last known
-        token, then after each proposed token."""
+        token, then after each proposed token. A request that asked for prompt logprobs also has a row at each
+        prompt position p < len(prompt) - 1 not yet done: its logits give the logprob of prompt token p + 1."""
         p = StepPlan([], [], [], list(out.block_copies or ()))
-        sample_rows, sampled = [], []
+        sample_rows, sampled, prompt_reqs = [], [], []
         for v, s in self._rows(out.scheduled):
             req = s.request
+            if self.computes_prompt_logprobs and req.needs_prompt_logprobs and v.start <= len(req.prompt_logprobs):
+                first = len(p.input_ids) - v.start
+                for pos in range(len(req.prompt_logprobs), min(v.end, req.num_prompt_tokens - 1)):
+                    p.prompt_rows.append(first + pos)
+                    prompt_reqs.append(req)
             known = min(v.end, req.num_tokens)
             p.input_ids += req.token_slice(v.start, known)
             if v.end > known:  # proposed tokens follow the known ones
@@ -77,7 +95,7 @@ class ModelRunner:
                 if not sampled or sampled[-1] is not s:
                     sampled.append(s)
         p.sample_rows = sample_rows
-        return p, sample_rows, sampled
+        return p, sample_rows, sampled, prompt_reqs
 
     @torch.inference_mode()
     def run_plan(self, p: StepPlan) -> torch.Tensor:
@@ -100,16 +118,34 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """Returns (logits [rows, vocab] float32, the scheduled seqs those rows belong to, in order)."""
-        p, sample_rows, sampled = self.plan(out)
+        p, sample_rows, sampled, prompt_reqs = self.plan(out)
         # Every row sampled (decode steps, verifications): a fused step may apply the final norm and head too.
         every_row = (self.use_fused_decode and len(sample_rows) == len(p.input_ids) > 0
-                     and sample_rows == list(range(len(p.input_ids))))
+                     and sample_rows == list(range(len(p.input_ids))) and not p.prompt_rows)
         hidden, logits = self._run(p, True) if every_row else (self.run_plan(p), None)
+        if sample_rows and logits is None:
+            logits = self.logits(hidden, sample_rows)
+        if p.prompt_rows:
+            self._prompt_logprobs(hidden, p, prompt_reqs)
         if not sample_rows:
             return None, []
-        if logits is None:
-            logits = self.logits(hidden, sample_rows)
         return logits, sampled
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, p: StepPlan, reqs: list) -> None:
+        """Append to each request's prompt_logprobs the Logprob of the prompt token after each of its rows,
+        with the same arithmetic as a generated token's (sampler.row_logprob on the same logits)."""
+        from kvinfer.engine.outputs import Logprob
+        from kvinfer.sampler import row_logprob
+
+        i = 0
+        for rows in row_chunks(p.prompt_rows):
+            logits = self.logits(hidden, rows)
+            for j in range(len(rows)):
+                req = reqs[i]
+                nxt = req.prompt_token_ids[len(req.prompt_logprobs) + 1]
+                lp, top = row_logprob(logits[j], nxt, req.params.prompt_logprobs)
+                req.prompt_logprobs.append(Logprob(nxt, lp, top))
+                i += 1
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """[rows, vocab] float32 (under tensor parallelism every rank calls it: the head's slices are gathered)."""

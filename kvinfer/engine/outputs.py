@@ -56,6 +56,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: Optional[RequestMetrics] = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then the Logprob of each later one given
+    # the tokens before it (None until the prompt has been computed).
+    prompt_logprobs: Optional[list[Optional[Logprob]]] = None
 
     @property
     def ttft(self):

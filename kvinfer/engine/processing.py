@@ -86,6 +86,7 @@ class CoreOutput:
     arrival_time: float
     first_token_time: Optional[float]
     last_token_time: Optional[float]
+    prompt_logprobs: Optional[list] = None  # once, when complete: None, then a Logprob per later prompt token
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _Request:
     # The first sample's token times, as of the tokens kept (the core may have made more after a stop string).
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class OutputProcessor:
@@ -150,6 +152,8 @@ class OutputProcessor:
             req = self.requests.get(out.request_id)
             if req is None:
                 continue  # aborted, or finished here while deltas the core made after it were in flight
+            if out.prompt_logprobs is not None:
+                req.prompt_logprobs = out.prompt_logprobs
             for d in out.samples:
                 s = req.samples[d.index]
                 if s.finished:
@@ -226,4 +230,4 @@ class OutputProcessor:
                 delta_text=delta, delta_token_ids=dtoks))
         m = RequestMetrics(out.arrival_time, req.first_token_time, req.last_token_time, len(req.samples[0].token_ids))
         return RequestOutput(out.request_id, req.prompt, req.prompt_token_ids, comps,
-                             all(s.finished for s in req.samples), out.num_cached_tokens, m)
+                             all(s.finished for s in req.samples), out.num_cached_tokens, m, req.prompt_logprobs)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvinfer.config import EngineConfig, ModelConfig
-from kvinfer.engine.model_runner import ModelRunner, StepPlan
+from kvinfer.engine.model_runner import ModelRunner, StepPlan, row_chunks
 from kvinfer.errors import KvinferError, ValidationError
 from kvinfer.kv.factory import make_cache
 from kvinfer.parallel.shard import CommStats, CollectiveModule, check_tp_size, exact_mode, local_config, shard_decoder
@@ -178,6 +178,8 @@ def run_worker(config: EngineConfig, rdv: Rendezvous, rank: int) -> int:
             hidden = runner.run_plan(msg[1])
             if msg[1].sample_rows:
                 runner.logits(hidden, msg[1].sample_rows)  # this rank's vocabulary slice, gathered by rank 0
+            for rows in row_chunks(msg[1].prompt_rows):  # prompt logprobs: the same LM-head calls as rank 0's
+                runner.logits(hidden, rows)
     except Exception as e:
         print(f"kvinfer: tensor-parallel rank {rank}: lost rank 0 ({_first_line(e)}); exiting", file=sys.stderr)
         return 1

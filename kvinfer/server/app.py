@@ -198,14 +198,14 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
     n = body.n if body.n is not None else 1
     if body.best_of is not None and body.best_of != n:
         raise APIError(400, "best_of must equal n (beam and best-of search are not implemented)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not implemented", param="echo")
     prompts = _prompts_of(body.prompt)
     capacity = srv.engine.capacity
     if len(prompts) * n > capacity:
         raise APIError(400, f"{len(prompts)} prompts x n={n} sequences in one request; this server holds at "
                             f"most {capacity}", param="prompt" if len(prompts) > 1 else "n")
     params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
+        params = SamplingParams(**{**params.__dict__, "prompt_logprobs": body.logprobs})
     return prompts, params
 
 

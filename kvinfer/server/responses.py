@@ -83,6 +83,20 @@ class TokenText:
             offset += len(s)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}, offset
 
+    def prompt_logprobs(self, prompt_ids, lps) -> tuple[dict, int]:
+        """The legacy completions format for an echoed prompt: the first token has no logprob (null, as OpenAI
+        and vLLM report it), each later one its Logprob given the tokens before it."""
+        first, _ = self.get(prompt_ids[0]) if prompt_ids else ("", None)
+        rest, offset = self.completion_logprobs(lps[1:] if lps else [], len(first))
+        if not prompt_ids:
+            return rest, 0
+        return {"text_offset": [0] + rest["text_offset"], "token_logprobs": [None] + rest["token_logprobs"],
+                "tokens": [first] + rest["tokens"], "top_logprobs": [None] + rest["top_logprobs"]}, offset
+
+    @staticmethod
+    def join_logprobs(a: dict, b: dict) -> dict:
+        return {key: a[key] + b[key] for key in a}
+
     def chat_logprobs(self, lps, k: int) -> dict:
         content = []
         for lp in lps:
@@ -164,15 +178,22 @@ class CompletionReply(Reply):
         for o in out.outputs:
             ci = p_idx * self.n + o.index
             text = o.delta_text
+            echo_lps = None
             if self.echo and ci not in self.echoed:
                 self.echoed.add(ci)
-                text = self._prompt_text(p_idx, out) + text
-            lps = None
+                prompt = self._prompt_text(p_idx, out)
+                text = prompt + text
+                self.offsets[ci] = len(prompt)
+                if self.want_lp:  # the prompt's tokens first, then the completion's
+                    echo_lps = self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)[0]
+            lps = echo_lps
             if self.want_lp and o.logprobs:
                 start = self.lp_seen.get(ci, 0)
                 self.lp_seen[ci] = len(o.logprobs)
                 lps, self.offsets[ci] = self.token_text.completion_logprobs(o.logprobs[start:],
                                                                            self.offsets.get(ci, 0))
+                if echo_lps is not None:
+                    lps = self.token_text.join_logprobs(echo_lps, lps)
             # One chunk per step that produced tokens, even when their text is held back (a partial
             # character or a possible stop string): clients time tokens by chunks.
             if text or o.finish_reason or o.delta_token_ids:
@@ -184,8 +205,12 @@ class CompletionReply(Reply):
         for p_idx, rid in enumerate(self.stream.request_ids):
             out = finals[rid]
             prefix = self._prompt_text(p_idx, out) if self.echo else ""
+            echo_lps = (self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)[0]
+                        if self.echo and self.want_lp else None)
             for o in out.outputs:
-                lps = self.token_text.completion_logprobs(o.logprobs or [], 0)[0] if self.want_lp else None
+                lps = self.token_text.completion_logprobs(o.logprobs or [], len(prefix))[0] if self.want_lp else None
+                if echo_lps is not None:
+                    lps = self.token_text.join_logprobs(echo_lps, lps)
                 choices.append({"index": p_idx * self.n + o.index, "text": prefix + o.text, "logprobs": lps,
                                 "finish_reason": _finish(o.finish_reason)})
         choices.sort(key=lambda c: c["index"])
