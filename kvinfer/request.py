@@ -38,7 +38,7 @@ class Request:
     # recompute replays the same tokens through the model only.
     grammar: Any = None
     logprobs: list = field(default_factory=list)
-    # params.prompt_logprobs: (logprob, top-k pairs) of prompt token i + 1 at index i, filled as the prompt is
+    # params.prompt_logprobs: (logprob, top-k pairs, rank) of prompt token i + 1 at index i, filled as the prompt is
     # computed (by the first sample of a group only; prefix-cache hits are not taken until the list is complete).
     prompt_logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0

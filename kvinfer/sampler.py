@@ -102,16 +102,19 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
     return row
 
 
-def row_logprob(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """(logprob of `token`, the k most likely (id, logprob) pairs) from one row of raw logits [vocab]: the one
-    computation behind the logprobs of generated and of prompt tokens alike. One row at a time: a softmax over
-    [rows, vocab] may reduce differently with the row count."""
+def row_logprob(row: torch.Tensor, token: int, k: int, rank: bool = False) -> tuple:
+    """(logprob of `token`, the k most likely (id, logprob) pairs[, its rank]) from one row of raw logits [vocab]:
+    the one computation behind the logprobs of generated and of prompt tokens alike (rank: 1 + how many tokens
+    are more likely). One row at a time: a softmax over [rows, vocab] may reduce differently with the row count."""
     logp = torch.log_softmax(row, dim=-1)
     top = []
     if k:
         v, ix = logp.topk(k)
         top = list(zip(ix.tolist(), v.tolist()))
-    return float(logp[token]), top
+    lp = logp[token]
+    if rank:
+        return float(lp), top, int((logp > lp).sum()) + 1
+    return float(lp), top
 
 
 def chosen_logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], tokens: Sequence[int]) -> list:

@@ -27,6 +27,8 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir):
     for i in range(1, len(prompt)):
         assert pl[i].token_id == prompt[i]
         assert pl[i].logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4)
+        v = want[i - 1, prompt[i]]  # rank: 1 + the tokens more likely (within the tolerance)
+        assert int((want[i - 1] > v + 1e-4).sum()) + 1 <= pl[i].rank <= int((want[i - 1] > v - 1e-4).sum()) + 1
         top_v, top_i = want[i - 1].topk(3)
         assert [t for t, _ in pl[i].top] == top_i.tolist()
         assert [v for _, v in pl[i].top] == pytest.approx(top_v.tolist(), abs=1e-4)

@@ -226,3 +226,28 @@ def test_errors_through_the_client(client, srv, model):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert client.models.list().data[0].id == model
+
+
+def test_vllm_prompt_logprobs_extra(client, lax_client, model):
+    # vLLM's extra parameter: null for the first prompt token, then {token id: {logprob, rank, decoded_token}} for
+    # the token itself and its alternatives; per choice on completions, on the reply for chat; not with stream.
+    prompt = "The capital of France is"
+    c = lax_client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=2, echo=True, logprobs=0,
+                                      extra_body={"prompt_logprobs": 2})
+    pl, echo = c.choices[0].model_extra["prompt_logprobs"], c.choices[0].logprobs
+    p = c.usage.prompt_tokens
+    assert len(pl) == p and pl[0] is None
+    for entry, tok, v in zip(pl[1:], echo.tokens[1:p], echo.token_logprobs[1:p]):
+        assert 2 <= len(entry) <= 3  # the 2 most likely, and the token itself if it is not one of them
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+        mine = [e for e in entry.values() if e["decoded_token"] == tok and e["logprob"] == v]
+        assert mine and mine[0]["rank"] >= 1 and all(e["logprob"] <= v for e in entry.values()
+                                                      if e["rank"] > mine[0]["rank"])
+    assert len(echo.top_logprobs[1]) <= 2  # echo's alternatives follow logprobs (0), not prompt_logprobs (2)
+    ch = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=2,
+                                        extra_body={"prompt_logprobs": 0})
+    cpl = ch.model_extra["prompt_logprobs"]
+    assert len(cpl) == ch.usage.prompt_tokens and cpl[0] is None and all(len(e) == 1 for e in cpl[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 0})

@@ -449,7 +449,8 @@ class LLMEngine:
         if first.params.prompt_logprobs is not None and not g.prompt_logprobs_sent and not first.needs_prompt_logprobs:
             g.prompt_logprobs_sent = True  # once, with the output of the step that completed them
             ids = first.prompt_token_ids  # the first prompt token has no logprob
-            prompt_lps = [None] + [Logprob(ids[i + 1], lp, top) for i, (lp, top) in enumerate(first.prompt_logprobs)]
+            prompt_lps = [None] + [Logprob(ids[i + 1], lp, top, rank)
+                                   for i, (lp, top, rank) in enumerate(first.prompt_logprobs)]
         return CoreOutput(g.request_id, deltas, max(first.num_cached_tokens, 0), first.arrival_time,
                           first.first_token_time, first.last_token_time, prompt_lps)
 

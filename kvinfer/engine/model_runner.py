@@ -132,8 +132,8 @@ class ModelRunner:
         return logits, sampled
 
     def _prompt_logprobs(self, hidden: torch.Tensor, p: StepPlan, reqs: list) -> None:
-        """Append to each request's prompt_logprobs (logprob, top-k pairs) of the prompt token after each of its
-        rows, with the same arithmetic as a generated token's (sampler.row_logprob on the same logits)."""
+        """Append to each request's prompt_logprobs (logprob, top-k pairs, rank) of the prompt token after each of
+        its rows, with the same arithmetic as a generated token's (sampler.row_logprob on the same logits)."""
         from kvinfer.sampler import row_logprob
 
         i = 0
@@ -142,7 +142,7 @@ class ModelRunner:
             for j in range(len(rows)):
                 req = reqs[i]
                 nxt = req.prompt_token_ids[len(req.prompt_logprobs) + 1]
-                req.prompt_logprobs.append(row_logprob(logits[j], nxt, req.params.prompt_logprobs))
+                req.prompt_logprobs.append(row_logprob(logits[j], nxt, req.params.prompt_logprobs, rank=True))
                 i += 1
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: Optional[int] = None  # prompt logprobs: 1 + how many tokens were more likely (vLLM's rank)
 
 
 @dataclass

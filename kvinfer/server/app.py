@@ -151,7 +151,7 @@ def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int]) -
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
-        skip_special_tokens=body.skip_special_tokens is not False)
+        skip_special_tokens=body.skip_special_tokens is not False, prompt_logprobs=body.prompt_logprobs)
     if body.top_k is not None:
         kw["top_k"] = body.top_k
     if body.min_p is not None:
@@ -180,6 +180,12 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+def _no_streamed_prompt_logprobs(body) -> None:
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM: they come with the whole reply only
+        raise APIError(400, "prompt_logprobs is not available with stream (use echo with logprobs on "
+                            "/v1/completions to stream a prompt's logprobs)", param="prompt_logprobs")
+
+
 def _prompts_of(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
@@ -193,6 +199,7 @@ def _prompts_of(prompt) -> list:
 
 def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, SamplingParams]:
     """The prompts (text or token ids, engine-ready) and sampling of a completion request, checked."""
+    _no_streamed_prompt_logprobs(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     n = body.n if body.n is not None else 1
@@ -205,7 +212,7 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
                             f"most {capacity}", param="prompt" if len(prompts) > 1 else "n")
     params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
-        params = SamplingParams(**{**params.__dict__, "prompt_logprobs": body.logprobs})
+        params = SamplingParams(**{**params.__dict__, "prompt_logprobs": max(body.logprobs, body.prompt_logprobs or 0)})
     return prompts, params
 
 
@@ -213,6 +220,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
                 ) -> tuple[list[int], SamplingParams, Optional[int], Optional[ToolContext]]:
     """The templated prompt's token ids, sampling, top logprobs (None: no logprobs) and tools of a chat request."""
     tok = srv.need_tokenizer()
+    _no_streamed_prompt_logprobs(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tool_context(body, tok)
@@ -321,7 +329,7 @@ async def completions(body: CompletionRequest, request: Request):
     prompts, params = _completion_input(srv, body)
     stream = await srv.admit(prompts, params, "cmpl")
     reply = CompletionReply(srv.model_name, stream, srv.token_text, prompts, params.n, bool(body.echo),
-                            body.logprobs is not None)
+                            body.logprobs, body.prompt_logprobs)
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 
@@ -331,7 +339,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ids, params, k, tools = _chat_input(srv, body)
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
-    reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools)
+    reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 

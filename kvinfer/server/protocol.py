@@ -94,6 +94,8 @@ class _SamplingFields(_Body):
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "top-k log probabilities of each prompt token, as vLLM reports them (not with stream)"))
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit before sampling")
 

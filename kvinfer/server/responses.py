@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvinfer.engine.async_engine import RequestStream
+from kvinfer.engine.outputs import Logprob
 from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import APIError, error_body, from_engine_error
@@ -83,15 +84,28 @@ class TokenText:
             offset += len(s)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}, offset
 
-    def prompt_logprobs(self, prompt_ids, lps) -> tuple[dict, int]:
+    def prompt_logprobs(self, prompt_ids, lps, k: int) -> tuple[dict, int]:
         """The legacy completions format for an echoed prompt: the first token has no logprob (null, as OpenAI
-        and vLLM report it), each later one its Logprob given the tokens before it."""
+        and vLLM report it), each later one its Logprob given the tokens before it (k alternatives)."""
         first, _ = self.get(prompt_ids[0]) if prompt_ids else ("", None)
-        rest, offset = self.completion_logprobs(lps[1:] if lps else [], len(first))
+        later = [Logprob(lp.token_id, lp.logprob, lp.top[:k]) for lp in (lps or [None])[1:]]
+        rest, offset = self.completion_logprobs(later, len(first))
         if not prompt_ids:
             return rest, 0
         return {"text_offset": [0] + rest["text_offset"], "token_logprobs": [None] + rest["token_logprobs"],
                 "tokens": [first] + rest["tokens"], "top_logprobs": [None] + rest["top_logprobs"]}, offset
+
+    def vllm_prompt_logprobs(self, lps) -> list:
+        """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and its alternatives."""
+        out = [None]
+        for lp in (lps or [None])[1:]:
+            d = {str(tid): {"logprob": _lp(v), "rank": i + 1, "decoded_token": self.get(tid)[0]}
+                 for i, (tid, v) in enumerate(lp.top)}
+            d[str(lp.token_id)] = {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                   "decoded_token": self.get(lp.token_id)[0]}
+            out.append(d)
+        return out
 
     @staticmethod
     def join_logprobs(a: dict, b: dict) -> dict:
@@ -158,10 +172,11 @@ class CompletionReply(Reply):
     object, chunk_object = "text_completion", "text_completion"
 
     def __init__(self, model: str, stream: RequestStream, token_text: TokenText, prompts: list, n: int,
-                 echo: bool, want_logprobs: bool):
+                 echo: bool, logprobs: Optional[int], prompt_logprobs: Optional[int] = None):
         super().__init__("cmpl", model, stream)
         self.token_text, self.prompts, self.n = token_text, prompts, n
-        self.echo, self.want_lp = echo, want_logprobs
+        self.echo, self.want_lp, self.k = echo, logprobs is not None, logprobs
+        self.vllm_prompt = prompt_logprobs is not None  # vLLM's extra: each choice gets "prompt_logprobs"
         self.p_index = {rid: i for i, rid in enumerate(stream.request_ids)}
         self.lp_seen: dict[int, int] = {}
         self.offsets: dict[int, int] = {}
@@ -185,7 +200,7 @@ class CompletionReply(Reply):
                 text = prompt + text
                 self.offsets[ci] = len(prompt)
                 if self.want_lp:  # the prompt's tokens first, then the completion's
-                    echo_lps = self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)[0]
+                    echo_lps = self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.k)[0]
             lps = echo_lps
             if self.want_lp and o.logprobs:
                 start = self.lp_seen.get(ci, 0)
@@ -205,14 +220,17 @@ class CompletionReply(Reply):
         for p_idx, rid in enumerate(self.stream.request_ids):
             out = finals[rid]
             prefix = self._prompt_text(p_idx, out) if self.echo else ""
-            echo_lps = (self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)[0]
+            echo_lps = (self.token_text.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.k)[0]
                         if self.echo and self.want_lp else None)
             for o in out.outputs:
                 lps = self.token_text.completion_logprobs(o.logprobs or [], len(prefix))[0] if self.want_lp else None
                 if echo_lps is not None:
                     lps = self.token_text.join_logprobs(echo_lps, lps)
-                choices.append({"index": p_idx * self.n + o.index, "text": prefix + o.text, "logprobs": lps,
-                                "finish_reason": _finish(o.finish_reason)})
+                choice = {"index": p_idx * self.n + o.index, "text": prefix + o.text, "logprobs": lps,
+                          "finish_reason": _finish(o.finish_reason)}
+                if self.vllm_prompt:
+                    choice["prompt_logprobs"] = self.token_text.vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {**self.head(self.object), "choices": choices,
                 "usage": usage(finals[r] for r in self.stream.request_ids)}
@@ -223,9 +241,10 @@ class ChatReply(Reply):
     usage_in_chunks = True
 
     def __init__(self, model: str, stream: RequestStream, token_text: TokenText, n: int, k: Optional[int],
-                 tools: Optional[ToolContext]):
+                 tools: Optional[ToolContext], prompt_logprobs: bool = False):
         super().__init__("chatcmpl", model, stream)
         self.token_text, self.n, self.k, self.tools = token_text, n, k, tools
+        self.vllm_prompt = prompt_logprobs  # vLLM's extra: the reply gets "prompt_logprobs"
         self.lp_seen: dict[int, int] = {}
         self.tool_streams = {i: tools.stream() for i in range(n)} if tools is not None else {}
 
@@ -266,7 +285,10 @@ class ChatReply(Reply):
                 message, finish = self.tools.message(o.text, finish)
             lps = self.token_text.chat_logprobs(o.logprobs or [], self.k) if self.k is not None else None
             choices.append({"index": o.index, "message": message, "logprobs": lps, "finish_reason": finish})
-        return {**self.head(self.object), "choices": choices, "usage": usage([out])}
+        body = {**self.head(self.object), "choices": choices, "usage": usage([out])}
+        if self.vllm_prompt:
+            body["prompt_logprobs"] = self.token_text.vllm_prompt_logprobs(out.prompt_logprobs)
+        return body
 
 
 def _chat_delta(content: str, tool_calls: list) -> dict:
