@@ -65,7 +65,11 @@ def cmd_perplexity(args) -> int:
     from kvinfer.errors import ValidationError
 
     try:
-        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        if args.file == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
     except OSError as e:
         raise ValidationError("file", args.file, f"cannot be read: {e.strerror or e}") from None
     except UnicodeDecodeError:

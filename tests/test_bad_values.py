@@ -73,6 +73,7 @@ OWN = {
     "bench kv-attention": {"--context": ["15", HUGE], "--calls": ["0"], "--rounds": ["0", "nan"], "--threads": ["0"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
                     "--rounds": ["0", "nan"]},
+    "perplexity": {"--context": ["3", HUGE, "x"], "--chunks": ["0", "nan"]},
     "lab kvcache": {"--tokens": ["0", HUGE], "--prompt-tokens": ["0"], "--backends": ["fast", ","],
                     "--out": [README, "/proc/nope"]},
     "plan": {"--model": ["/no/such/model"], "--memory": ["-5GiB", "0", "lots", "nan"],
@@ -91,7 +92,8 @@ OWN = {
 FREE_TEXT = {"--prompt", "--system", "--stop", "--api-key", "--served-model-name", "--master-addr",
              # A missing peer binary is one line and a skipped peer, by design (test_bench): ours still runs.
              "--llama-server", "--llama-bench"}
-NEEDS_ARGS = {"plan": ["--memory", "40GiB"]}  # a required flag, so the flag under test is what fails
+NEEDS_ARGS = {"plan": ["--memory", "40GiB"], "perplexity": [README]}  # what a command requires, so the flag
+# under test is what fails
 
 
 def _value_flags(parser):
