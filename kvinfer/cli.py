@@ -98,6 +98,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     g.add_argument("--max-model-len", type=int_at_least("--max-model-len"), default=None,
                    help="context window, at most what the model's positions support (default: the model's)")
     add_scheduler_args(g)
+    g.add_argument("--num-scheduler-steps", type=int_at_least("--num-scheduler-steps", 1, 64), default=8,
+                   help="greedy decode steps per call into the fused C step while no request waits (default 8; "
+                        "1: return to the scheduler after every token)")
     g.add_argument("--threads", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
                    help="CPU threads for torch (default: all cores)")
     g.add_argument("--seed", type=seed_int("--seed"), default=0,
@@ -137,6 +140,7 @@ def engine_config_from_args(args):
                         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        num_scheduler_steps=args.num_scheduler_steps,
                         num_threads=args.threads, tokenizer=args.tokenizer,
                         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr, master_port=args.master_port,

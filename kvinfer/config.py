@@ -390,6 +390,9 @@ QUANTIZATIONS = ("auto", "none", "gguf")
 SPECULATIVE = (None, "ngram", "draft")
 
 
+MAX_SCHEDULER_STEPS = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings fixed at start-up; nothing mutates them afterwards."""
@@ -411,6 +414,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Greedy decode steps per call into the fused C step while nothing waits to be admitted (vLLM's multi-step
+    # scheduling): the per-step Python work (scheduling, metadata, sampling, outputs) is paid once per call.
+    num_scheduler_steps: int = 8
     seed: int = 0
     num_threads: Optional[int] = None
     tokenizer: Optional[str] = None
@@ -472,6 +478,9 @@ class EngineConfig:
             raise ValidationError("max_num_seqs", self.max_num_seqs, "must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValidationError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        if not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            raise ValidationError("num_scheduler_steps", self.num_scheduler_steps,
+                                  f"must be in [1, {MAX_SCHEDULER_STEPS}]")
         if not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64):
             raise ValidationError("seed", self.seed, "must be an integer that fits in 64 bits")
         if self.num_threads is not None and self.num_threads < 1:

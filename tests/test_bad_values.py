@@ -35,6 +35,7 @@ ENGINE = {
     "--max-model-len": ["0", "100000", HUGE, "nan"],
     "--max-num-seqs": ["0", "-1", HUGE],
     "--max-num-batched-tokens": ["0", HUGE],
+    "--num-scheduler-steps": ["0", "65", "x"],
     "--threads": ["0", HUGE, "1.5"],
     "--seed": ["-1", HUGE, "abc"],
     "--tensor-parallel-size": ["0", "abc"],

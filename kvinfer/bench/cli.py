@@ -190,15 +190,16 @@ def cmd_decode(args) -> int:
         if engine.tp is not None:
             engine.tp.stats.reset()
         t0 = time.perf_counter()
-        times = []
+        times, counts = [], []  # when outputs came, and their tokens (several per call in multi-step decode)
         cached = 0
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.request_id == rid and o.outputs[0].delta_token_ids:
                     times.append(time.perf_counter())
+                    counts.append(len(o.outputs[0].delta_token_ids))
                     cached = o.num_cached_tokens
-        return dict(ttft=times[0] - t0, decode_tps=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times),
-                    cached_prompt_tokens=cached, tp_comm=_tp_comm(engine, times[-1] - t0))
+        return dict(ttft=times[0] - t0, decode_tps=(sum(counts) - counts[0]) / (times[-1] - times[0]),
+                    tokens=sum(counts), cached_prompt_tokens=cached, tp_comm=_tp_comm(engine, times[-1] - t0))
 
     # Warm-up: the first steps pay one-off costs (allocator, kernel selection). Another prompt of the same
     # length, so the measured prefill is not served from the prefix cache.

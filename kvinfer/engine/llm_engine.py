@@ -298,6 +298,11 @@ class LLMEngine:
 
     def step_core(self) -> list[CoreOutput]:
         """Schedule, run the model, sample; token-level outputs of the requests that got tokens."""
+        n = self._greedy_steps()
+        if n > 1:
+            outs = self._step_greedy(n)
+            if outs is not None:
+                return outs
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
@@ -327,6 +332,73 @@ class LLMEngine:
                                                   len(sched.scheduled))
                 self.speculator.release(self.scheduler.running)
                 self.stats.update(self.speculator.metrics())
+        outs = []
+        for gid in touched:
+            g = self.groups.get(gid)
+            if g is not None:
+                outs.append(self._core_output(g))
+        return outs
+
+    # ---- several greedy decode steps in one call (vLLM's multi-step scheduling) ------------------------
+    def _greedy_steps(self) -> int:
+        """How many decode steps the next call may make at once (0 or 1: a normal step). More than one only
+        while every running request decodes greedily with nothing for the sampler to change (no penalties, bias,
+        grammar, banned stop tokens) and no request waits for admission, so none waits longer than one call."""
+        n = self.config.num_scheduler_steps
+        sch = self.scheduler
+        if n < 2 or self.speculator is not None or sch.waiting or not sch.running or self._pending_forks:
+            return 0
+        for r in sch.running:
+            p = r.params
+            if (r.num_tokens - r.num_computed_tokens != 1 or not p.greedy or p.uses_penalties or p.logit_bias
+                    or r.grammar is not None or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
+                return 0
+            n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
+        if n < 2:
+            return 0
+        fused = self.runner._fused_decode()
+        return n if fused is not None and fused.greedy_steps_ok else 0
+
+    def _step_greedy(self, n: int) -> Optional[list[CoreOutput]]:
+        """Up to n greedy decode steps of every running request in one C call; None (nothing changed) if the KV
+        pool cannot hold n more tokens for each. Each step's arithmetic is a single step's (FusedDecode), its
+        argmax the sampler's (numpy's rule), its logprobs computed from the same logits afterwards, and each token
+        goes through _append_token in step order, so stop tokens, max_tokens and outputs are as step by step."""
+        from kvinfer.sampler import row_logprob
+
+        sch, m = self.scheduler, self.kv_manager
+        reqs = list(sch.running)
+        for i, r in enumerate(reqs):  # slots for positions num_computed .. num_computed + n - 1
+            if not m.allocate_slots(r, n):
+                for q in reqs[:i]:
+                    m.trim(q, q.num_computed_tokens)
+                return None
+        self.kv_cache.copy_blocks(m.take_copies())  # a fork sibling's shared last block, copied before writing
+        stop_ids = set(self._eos_ids())
+        for r in reqs:
+            stop_ids.update(r.params.stop_token_ids)
+        tokens, logits = self.runner._fused_decode().greedy_steps(
+            [r.token_at(r.num_tokens - 1) for r in reqs], [m.get_block_table(r) for r in reqs],
+            [r.num_tokens for r in reqs], n, sorted(stop_ids))
+        steps = tokens.shape[0]
+        self.stats["steps"] += steps
+        now = time.perf_counter()
+        touched: dict[str, None] = {}
+        rows = tokens.tolist()
+        for s in range(steps):
+            for b, r in enumerate(reqs):
+                if r.is_finished:
+                    continue
+                tok = rows[s][b]
+                k = r.params.logprobs
+                r.num_computed_tokens += 1
+                self._append_token(r, tok, row_logprob(logits[s, b], tok, k) if k is not None else None, now)
+                touched[r.group_id] = None
+        for r in reqs:
+            if not r.is_finished:  # blocks of positions the call did not reach go back
+                sch.rollback(r, r.num_tokens - 1)
+        used = m.num_units - m.num_free_units
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
         outs = []
         for gid in touched:
             g = self.groups.get(gid)

@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
-           "silu_mul", "gelu", "rope_pair_", "decode_step", "DecodeLayer", "DecodeJob", "library_path", "build",
+           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_greedy", "DecodeLayer", "DecodeJob", "library_path", "build",
            "load", "describe"]
 
 log = logging.getLogger("kvinfer.kernels")
@@ -168,6 +168,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_matmul_packed": ([vp], c_int),
         "kvq_attention": ([vp], c_int),
         "kvq_decode_step": ([vp], c_int),
+        "kvq_decode_greedy": ([vp, i64, vp, i64, vp, vp], c_int),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
         "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
@@ -410,6 +411,14 @@ class Kernels:
     def decode_step(self, job: DecodeJob) -> None:
         _check(self.lib.kvq_decode_step(ctypes.byref(job)), "fused decode step")
 
+    def decode_greedy(self, job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
+                      tokens: torch.Tensor) -> int:
+        """Up to nsteps greedy decode steps in one call (kvq_decode_greedy); returns the steps done."""
+        n = self.lib.kvq_decode_greedy(ctypes.byref(job), nsteps, stop_ids.data_ptr(), stop_ids.numel(),
+                                       logits_all.data_ptr(), tokens.data_ptr())
+        _check(min(n, 0), "fused greedy decode steps")
+        return n
+
 
 # ---- the active level ----------------------------------------------------------------------------------------
 _lock = threading.Lock()
@@ -576,6 +585,11 @@ def rope_pair_(q, k, cos, sin) -> bool:
 
 def decode_step(job: DecodeJob) -> None:
     active().decode_step(job)
+
+
+def decode_greedy(job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
+                  tokens: torch.Tensor) -> int:
+    return active().decode_greedy(job, nsteps, stop_ids, logits_all, tokens)
 
 
 class PreparedMatmul:

@@ -88,3 +88,68 @@ done:
     free(h), free(qkv), free(att), free(gu), free(act), free(y), free(seq), free(pos);
     return rc;
 }
+
+/* The first largest value of row[0..n) (a NaN counts as the largest, the first one wins): numpy's argmax, which
+ * the sampler's greedy path takes. */
+static int64_t argmax_row(const float *row, int64_t n) {
+    int64_t best = 0;
+    if (row[0] != row[0]) return 0;
+    for (int64_t i = 1; i < n; i++) {
+        if (row[i] != row[i]) return i;
+        if (row[i] > row[best]) best = i;
+    }
+    return best;
+}
+
+/* Up to nsteps greedy decode steps of d->B sequences in one call (the engine's multi-step decode: one call, then
+ * Python looks at the tokens, instead of a return to Python per token). Step s is kvq_decode_step at position
+ * lens[b] - 1 + s of each sequence, its K/V slot found through the sequence's block table (which must already
+ * hold those positions), its logits kept in logits_all[s] ([B, head_rows]) and each row's argmax its next input.
+ * d->ids, d->slots, d->lens give step 0 and are not written; d->embed, d->final_norm and d->head must be set.
+ * Stops after nsteps, or after a step in which a sequence's token is one of stop_ids. tokens[s * B + b]: the
+ * token of step s. Returns the steps done (>= 1), or a negative KVQ_E* code. The same arithmetic per step as one
+ * kvq_decode_step call each: a token does not depend on how many steps one call makes. */
+int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
+                      float *logits_all, int64_t *tokens) {
+    const int64_t B = d->B, V = d->head_rows;
+    if (nsteps < 1 || B <= 0 || !d->embed || !d->final_norm || !d->head || V <= 0 || d->T <= 0 || d->BS <= 0)
+        return KVQ_EBADSHAPE;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t last = d->lens[b] - 1 + nsteps - 1; /* the last position written */
+        if (d->lens[b] <= 0 || last / d->BS >= d->T) return KVQ_EBADSHAPE;
+        for (int64_t i = (d->lens[b] - 1) / d->BS; i <= last / d->BS; i++)
+            if (d->tables[b * d->T + i] < 0 || d->tables[b * d->T + i] >= d->NB) return KVQ_EBADBLOCK;
+    }
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B));
+    if (!ids) return KVQ_ENOMEM;
+    int64_t *slots = ids + B, *lens = ids + 2 * B;
+    memcpy(ids, d->ids, sizeof(int64_t) * (size_t)B);
+    memcpy(lens, d->lens, sizeof(int64_t) * (size_t)B);
+    struct kvq_decode j = *d;
+    j.ids = ids, j.slots = slots, j.lens = lens;
+    int64_t s = 0;
+    int rc = KVQ_OK;
+    for (; s < nsteps; s++) {
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t p = lens[b] - 1;
+            slots[b] = d->tables[b * d->T + p / d->BS] * d->BS + p % d->BS;
+        }
+        j.logits = logits_all + s * B * V;
+        rc = kvq_decode_step(&j);
+        if (rc) break;
+        int stop = 0;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t t = argmax_row(j.logits + b * V, V);
+            tokens[s * B + b] = ids[b] = t;
+            lens[b]++;
+            for (int64_t k = 0; k < nstop; k++) stop |= stop_ids[k] == t;
+        }
+        if (stop) {
+            s++;
+            break;
+        }
+    }
+    free(ids);
+    if (rc) return rc;
+    return (int)s;
+}

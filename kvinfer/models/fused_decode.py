@@ -113,35 +113,60 @@ class FusedDecode:
             x = torch.empty((B, hid), dtype=torch.float32)  # filled by the step
         else:
             x = model.embed(ids).to(torch.float32).contiguous()  # [B, hidden], updated in place
-        rot = model.rotary
-        slots = md.slot_mapping.contiguous()
-        tables = km.tables.contiguous()
-        lens = (km.tok_pos + 1).contiguous()
         norm = self.final_norm
         out = torch.empty((B, hid), dtype=torch.float32) if norm is not None else None
         head = self.head if with_logits else None
         logits = torch.empty((B, head.out_features), dtype=torch.float32) if head is not None else None
-        emb = self.embed
-        job = kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), rot.cos.data_ptr(), rot.sin.data_ptr(),
-                                slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), B, hid,
-                                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks, kv.sliding_window or 0,
-                                rot.cos.shape[0], cfg.norm_eps, self.scale, torch.get_num_threads(),
-                                kernels.KV_DTYPES.get(kv.kv_dtype, 0),
-                                ids.data_ptr(), emb.raw.data_ptr() if emb is not None else None,
-                                emb.raw.stride(0) if emb is not None else 0,
-                                emb.num_embeddings if emb is not None else 0,
-                                kernels.QTYPES[emb.qtype] if emb is not None else 0,
-                                norm.eps if norm is not None else 0.0,
-                                norm.weight.data_ptr() if norm is not None else None,
-                                out.data_ptr() if out is not None else None,
-                                head.raw.data_ptr() if head is not None else None,
-                                head.raw.stride(0) if head is not None else 0,
-                                head.out_features if head is not None else 0,
-                                kernels.QTYPES[head.qtype] if head is not None else 0,
-                                logits.data_ptr() if logits is not None else None)
+        slots, tables, lens = md.slot_mapping.contiguous(), km.tables.contiguous(), (km.tok_pos + 1).contiguous()
+        job = self._job(B, x, ids, slots, tables, lens, out, head, logits)  # (the tensors stay alive until the call)
         kernels.decode_step(job)
         kv.kv_computed += B * cfg.num_layers
         if logits is not None:
             return logits
         return out if out is not None else model.norm(x)
+
+    def _job(self, B, x, ids, slots, tables, lens, out, head, logits):
+        cfg, kv, rot, norm, emb = self.cfg, self.backend, self.model.rotary, self.final_norm, self.embed
+        return kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), rot.cos.data_ptr(), rot.sin.data_ptr(),
+                                 slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), B, cfg.hidden_size,
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                 cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks,
+                                 kv.sliding_window or 0, rot.cos.shape[0], cfg.norm_eps, self.scale,
+                                 torch.get_num_threads(), kernels.KV_DTYPES.get(kv.kv_dtype, 0),
+                                 ids.data_ptr(), emb.raw.data_ptr() if emb is not None else None,
+                                 emb.raw.stride(0) if emb is not None else 0,
+                                 emb.num_embeddings if emb is not None else 0,
+                                 kernels.QTYPES[emb.qtype] if emb is not None else 0,
+                                 norm.eps if norm is not None else 0.0,
+                                 norm.weight.data_ptr() if norm is not None else None,
+                                 out.data_ptr() if out is not None else None,
+                                 head.raw.data_ptr() if head is not None else None,
+                                 head.raw.stride(0) if head is not None else 0,
+                                 head.out_features if head is not None else 0,
+                                 kernels.QTYPES[head.qtype] if head is not None else 0,
+                                 logits.data_ptr() if logits is not None else None)
+
+    @property
+    def greedy_steps_ok(self) -> bool:
+        """Whether greedy_steps can run (the embedding lookup, final norm and head all in the C step)."""
+        return self.embed is not None and self.head is not None
+
+    def greedy_steps(self, ids: list[int], tables: list[list[int]], lens: list[int], nsteps: int,
+                     stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to nsteps greedy decode steps of B sequences in one C call (kernels.decode_greedy): ids[b] is each
+        sequence's last token, lens[b] its length with it, tables[b] its block table, already holding positions
+        up to lens[b] - 2 + nsteps. Stops early after a step that produced one of stop_ids. Returns (tokens [steps,
+        B], logits [steps, B, vocab]) of the steps done: the very logits a step at a time would give."""
+        self._check_ptrs()
+        cfg, B = self.cfg, len(ids)
+        width = max(len(t) for t in tables)
+        t = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int64)
+        idt, lent = torch.tensor(ids, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+        x = torch.empty((B, cfg.hidden_size), dtype=torch.float32)
+        out = torch.empty((B, cfg.hidden_size), dtype=torch.float32)
+        logits = torch.empty((nsteps, B, self.head.out_features), dtype=torch.float32)
+        tokens = torch.empty((nsteps, B), dtype=torch.int64)
+        job = self._job(B, x, idt, lent, t, lent, out, self.head, logits)  # (slots: computed by the C loop)
+        n = kernels.decode_greedy(job, nsteps, torch.tensor(stop_ids or [-1], dtype=torch.int64), logits, tokens)
+        self.backend.kv_computed += n * B * cfg.num_layers
+        return tokens[:n], logits[:n]

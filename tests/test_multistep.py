@@ -1,0 +1,76 @@
+"""Multi-step greedy decode (EngineConfig.num_scheduler_steps): several fused decode steps per C call while every
+running request decodes greedily and none waits, with the same tokens, logprobs, texts and finishes as one step
+per call."""
+from __future__ import annotations
+
+import pytest
+
+from kvinfer import LLM, SamplingParams
+from kvinfer.config import EngineConfig
+from kvinfer.engine.llm_engine import LLMEngine
+from kvinfer.errors import ValidationError
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs or []], c.text, c.finish_reason, c.stop_reason)
+             for c in o.outputs] for o in outs]
+
+
+def _calls(llm):
+    """Counts the engine's multi-step calls."""
+    eng = llm.engine
+    orig, n = eng._step_greedy, [0]
+
+    def counted(steps):
+        n[0] += 1
+        return orig(steps)
+
+    eng._step_greedy = counted
+    return n
+
+
+CASES = [
+    SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=23, stop=["\n\n", " the"]),  # stop strings: later tokens dropped
+    SamplingParams(temperature=0, max_tokens=30, n=3, logprobs=0),  # forks share the prompt's last block
+    SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=12, min_tokens=5, stop_token_ids=[13]),
+]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_multistep_matches_one_step_per_call(builtin_llm, i):
+    one = LLM(None, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, num_scheduler_steps=1)
+    eight = LLM(None, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, num_scheduler_steps=8)
+    calls = _calls(eight)
+    prompts = ["Write a long story about a lighthouse keeper.", "The capital of France is", "def fib(n):",
+               "List three colours:"]
+    assert _run(eight, prompts, CASES[i]) == _run(one, prompts, CASES[i])
+    assert calls[0] > 0  # the multi-step path did run
+    eight.engine.check_integrity()
+    assert eight.engine.kv_manager.num_free_units == eight.engine.kv_manager.num_units  # every block back
+
+
+def test_multistep_at_the_context_window_and_a_small_kv_pool(builtin_llm):
+    # The window ends generation inside a call; a pool too small for 8 more tokens each falls back to single steps
+    # (and preempts). (The fused step, hence multi-step, needs quantised weights: the built-in model.)
+    kw = dict(dtype="float32", block_size=4, max_model_len=40)
+    prompts = [[1005, 2009, 313, 2, 977, 31, 8], [100, 101, 102], [700] * 11]
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=1)
+    per_block = builtin_llm.engine.kv_bytes_per_token * 4
+    for blocks in (1000, 22):  # 22 blocks of 4 cannot hold 3 x 40 tokens
+        one = LLM(None, kv_cache_memory=blocks * per_block, num_scheduler_steps=1, **kw)
+        eight = LLM(None, kv_cache_memory=blocks * per_block, num_scheduler_steps=8, **kw)
+        assert eight.engine.kv_manager.num_units == blocks
+        calls = _calls(eight)
+        got = _run(eight, prompts, sp)
+        assert got == _run(one, prompts, sp)
+        assert [len(o[0][0]) for o in got] == [40 - len(p) for p in prompts]
+        assert calls[0] > 0 and (blocks > 100 or eight.engine.scheduler.num_preemptions > 0)
+
+
+def test_bad_num_scheduler_steps_is_named():
+    for bad in (0, 65):
+        with pytest.raises(ValidationError, match="num_scheduler_steps"):
+            LLMEngine(EngineConfig(num_scheduler_steps=bad))
