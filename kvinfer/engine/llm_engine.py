@@ -332,12 +332,11 @@ class LLMEngine:
                                                   len(sched.scheduled))
                 self.speculator.release(self.scheduler.running)
                 self.stats.update(self.speculator.metrics())
-        outs = []
-        for gid in touched:
-            g = self.groups.get(gid)
-            if g is not None:
-                outs.append(self._core_output(g))
-        return outs
+        return self._outputs(touched)
+
+    def _outputs(self, touched) -> list[CoreOutput]:
+        """The core outputs of the groups that got tokens this step (those still known)."""
+        return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
     # ---- several greedy decode steps in one call (vLLM's multi-step scheduling) ------------------------
     def _greedy_steps(self) -> int:
@@ -399,12 +398,7 @@ class LLMEngine:
                 sch.rollback(r, r.num_tokens - 1)
         used = m.num_units - m.num_free_units
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        outs = []
-        for gid in touched:
-            g = self.groups.get(gid)
-            if g is not None:
-                outs.append(self._core_output(g))
-        return outs
+        return self._outputs(touched)
 
     def _fork_siblings(self, sampled) -> dict[str, list[Request]]:
         """n>1: once a group's first sample has its prompt computed, its siblings share that KV and join the batch.
