@@ -132,8 +132,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [n, vocab] float32, one row per entry of `rows`."""
-        simple = all(r.params.greedy and not r.params.uses_penalties and not r.banned_ids and not r.params.logit_bias
-                     for r in rows)
+        simple = all(r.params.plain_greedy and not r.banned_ids for r in rows)
         raw = logits  # logprobs are reported from the model's distribution, before any mask
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:

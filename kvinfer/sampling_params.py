@@ -148,5 +148,10 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first (penalties, logit_bias): the argmax of the raw row."""
+        return self.greedy and not self.uses_penalties and not self.logit_bias
+
+    @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

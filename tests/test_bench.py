@@ -235,4 +235,4 @@ def test_bench_exact_counts_bitwise_identical_requests(tiny_llama_dir, capsys):
     out = capsys.readouterr().out
     assert "small KV budget (preemption)" in out and "none backend" in out
     last = out.strip().splitlines()[-1].split()
-    assert last[0] == "all" and last[1] == "14/14" and last[2] == "14/14"
+    assert last[0] == "all" and last[1] == "16/16" and last[2] == "16/16"

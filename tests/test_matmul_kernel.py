@@ -232,29 +232,29 @@ def test_failing_compiler_and_switch_off_report_unavailable(fresh_kernels, monke
 
 
 def test_dispatch_picks_the_best_level_and_honours_a_lower_one(reloaded_kernels, monkeypatch):
-    fresh_kernels = reloaded_kernels
+    k = reloaded_kernels
     monkeypatch.delenv("KVINFER_ISA", raising=False)  # the suite may run with a lower level forced
-    fresh_kernels._reset()
-    feats = fresh_kernels.cpu_features()
+    k._reset()
+    feats = k.cpu_features()
     assert feats["avx2"], "this project's machines have AVX2; the probe must see it"
-    assert fresh_kernels.level() == fresh_kernels.best_level()
-    assert "level " + fresh_kernels.level() in fresh_kernels.describe()
+    assert k.level() == k.best_level()
+    assert "level " + k.level() in k.describe()
     for forced in ("generic", "avx2"):
-        fresh_kernels._reset()
+        k._reset()
         monkeypatch.setenv("KVINFER_ISA", forced)
-        assert fresh_kernels.level() == forced
-    fresh_kernels._reset()
+        assert k.level() == forced
+    k._reset()
     monkeypatch.setenv("KVINFER_ISA", "avx9000")
-    assert not fresh_kernels.available() and "KVINFER_ISA must be one of" in fresh_kernels.unavailable_reason()
+    assert not k.available() and "KVINFER_ISA must be one of" in k.unavailable_reason()
     # A CPU without AVX2 (or an OS that does not save its registers) runs everything on the portable level.
-    fresh_kernels._reset()
+    k._reset()
     monkeypatch.delenv("KVINFER_ISA")
-    monkeypatch.setattr(fresh_kernels, "cpu_features", lambda: {"avx2": False, "avx512": False,
-                                                                "amx_listed": True, "amx_granted": False})
-    assert fresh_kernels.level() == "generic"
-    assert "AMX listed but not granted" in fresh_kernels.describe()
+    monkeypatch.setattr(k, "cpu_features", lambda: {"avx2": False, "avx512": False,
+                                                    "amx_listed": True, "amx_granted": False})
+    assert k.level() == "generic"
+    assert "AMX listed but not granted" in k.describe()
     with pytest.raises(RuntimeError, match="cannot run the avx2 level"):
-        fresh_kernels.library("avx2")
+        k.library("avx2")
 
 
 def test_amx_probe_never_crashes():

@@ -4,11 +4,13 @@ per call."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvinfer import LLM, SamplingParams
+from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.config import EngineConfig
 from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.errors import ValidationError
+from kvinfer.sampler import argmax_rows
 
 
 def _run(llm, prompts, params):
@@ -74,3 +76,20 @@ def test_bad_num_scheduler_steps_is_named():
     for bad in (0, 65):
         with pytest.raises(ValidationError, match="num_scheduler_steps"):
             LLMEngine(EngineConfig(num_scheduler_steps=bad))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C argmax is part of the kernels")
+def test_the_c_argmax_is_the_samplers():
+    # Multi-step decode picks tokens in C; they must be the sampler's numpy argmax, ties and NaNs included.
+    x = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0))
+    x[1, 10] = x[1, 500] = 99.0  # a tie: the first
+    x[2, 900] = x[2, 7] = float("nan")  # NaN counts as the largest: the first NaN
+    x[3] = float("-inf")  # nothing larger than the first
+    x[4, 0] = float("nan")
+    x[5, 999] = x[5, 3] = float("inf")
+    x[6, 2] = -0.0
+    x[6, 1] = 0.0
+    x[6, 3:] = -1.0
+    x[6, 0] = -2.0
+    got = kernels.active().argmax_rows(x.contiguous())
+    assert got == argmax_rows(x) == [got[0], 10, 7, 0, 0, 3, 1]

@@ -7,17 +7,17 @@ import time
 from kvinfer.bench import machine_line
 
 WAYS = ("batch of 24", "shuffled order", "chunked prefill (64-token budget)", "after a prefix-cache hit",
-        "small KV budget (preemption)", "contiguous backend", "none backend")
+        "small KV budget (preemption)", "contiguous backend", "none backend", "one decode step per call")
 
 
 def register_exact(bs) -> None:
     from kvinfer.cli import add_engine_args, int_at_least
 
-    e = bs.add_parser("exact", help="the same requests served 7 ways: how many are bitwise identical to alone",
+    e = bs.add_parser("exact", help="the same requests served 8 ways: how many are bitwise identical to alone",
                       description="Each prompt is generated alone, then again inside a batch of 24, in shuffled "
                                   "order, with a 64-token chunked-prefill budget, after a prefix-cache hit, under a "
                                   "KV budget small enough to preempt, with the contiguous and with the none "
-                                  "backend. Prints, per way, how many requests gave bitwise the same token ids "
+                                  "backend, and with one decode step per C call (--num-scheduler-steps 1). Prints, per way, how many requests gave bitwise the same token ids "
                                   "and logprobs as alone, and how many the same tokens.")
     e.add_argument("--prompts", type=int_at_least("--prompts", 2), default=12, help="requests (default 12)")
     e.add_argument("--tokens", type=int_at_least("--tokens"), default=32, help="new tokens each (default 32)")
@@ -86,6 +86,7 @@ def cmd_exact(args) -> int:
     results[WAYS[5]] = batch(llm(kv_cache="contiguous", max_num_seqs=8, max_model_len=longest + 16,
                                  kv_cache_memory=kv_per_token * (longest + 16) * 8))
     results[WAYS[6]] = batch(llm(kv_cache="none"))
+    results[WAYS[7]] = batch(llm(num_scheduler_steps=1))
     n = len(prompts)
     print(f"kvinfer bench exact: {n} requests x {args.tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'sampled at T={args.temperature}, seeded'}), "

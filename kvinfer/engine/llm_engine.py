@@ -349,8 +349,8 @@ class LLMEngine:
             return 0
         for r in sch.running:
             p = r.params
-            if (r.num_tokens - r.num_computed_tokens != 1 or not p.greedy or p.uses_penalties or p.logit_bias
-                    or r.grammar is not None or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
+            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain_greedy or r.grammar is not None
+                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
                 return 0
             n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
         if n < 2:

@@ -31,8 +31,8 @@ import torch
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
-           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_greedy", "DecodeLayer", "DecodeJob", "library_path", "build",
-           "load", "describe"]
+           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_greedy", "DecodeLayer", "DecodeJob",
+           "library_path", "build", "load", "describe"]
 
 log = logging.getLogger("kvinfer.kernels")
 
@@ -169,6 +169,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_attention": ([vp], c_int),
         "kvq_decode_step": ([vp], c_int),
         "kvq_decode_greedy": ([vp, i64, vp, i64, vp, vp], c_int),
+        "kvq_argmax_rows": ([vp, i64, i64, vp], None),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
         "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
@@ -418,6 +419,12 @@ class Kernels:
                                        logits_all.data_ptr(), tokens.data_ptr())
         _check(min(n, 0), "fused greedy decode steps")
         return n
+
+    def argmax_rows(self, x: torch.Tensor) -> list[int]:
+        """Each row's argmax as decode_greedy takes it (x: [rows, n] contiguous float32)."""
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.kvq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out.tolist()
 
 
 # ---- the active level ----------------------------------------------------------------------------------------

@@ -89,8 +89,8 @@ done:
     return rc;
 }
 
-/* The first largest value of row[0..n) (a NaN counts as the largest, the first one wins): numpy's argmax, which
- * the sampler's greedy path takes. */
+/* The index of the first largest value of row[0..n) (a NaN counts as the largest, the first one wins): numpy's
+ * argmax, which the sampler's greedy path takes (kvq_argmax_rows exposes it to the tests that hold the two equal). */
 static int64_t argmax_row(const float *row, int64_t n) {
     int64_t best = 0;
     if (row[0] != row[0]) return 0;
@@ -101,11 +101,16 @@ static int64_t argmax_row(const float *row, int64_t n) {
     return best;
 }
 
+void kvq_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+}
+
 /* Up to nsteps greedy decode steps of d->B sequences in one call (the engine's multi-step decode: one call, then
  * Python looks at the tokens, instead of a return to Python per token). Step s is kvq_decode_step at position
  * lens[b] - 1 + s of each sequence, its K/V slot found through the sequence's block table (which must already
  * hold those positions), its logits kept in logits_all[s] ([B, head_rows]) and each row's argmax its next input.
- * d->ids, d->slots, d->lens give step 0 and are not written; d->embed, d->final_norm and d->head must be set.
+ * d->ids and d->lens give step 0 and are not written (d->slots is not read: every step's slots come from the
+ * tables); d->embed, d->final_norm and d->head must be set.
  * Stops after nsteps, or after a step in which a sequence's token is one of stop_ids. tokens[s * B + b]: the
  * token of step s. Returns the steps done (>= 1), or a negative KVQ_E* code. The same arithmetic per step as one
  * kvq_decode_step call each: a token does not depend on how many steps one call makes. */

@@ -89,6 +89,7 @@ struct kvq_decode {
     float *logits;                             /* [B, head_rows] */
 };
 int kvq_decode_step(const struct kvq_decode *d);
+void kvq_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out);
 int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
                       float *logits_all, int64_t *tokens);
 int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,

@@ -166,7 +166,7 @@ class FusedDecode:
         out = torch.empty((B, cfg.hidden_size), dtype=torch.float32)
         logits = torch.empty((nsteps, B, self.head.out_features), dtype=torch.float32)
         tokens = torch.empty((nsteps, B), dtype=torch.int64)
-        job = self._job(B, x, idt, lent, t, lent, out, self.head, logits)  # (slots: computed by the C loop)
-        n = kernels.decode_greedy(job, nsteps, torch.tensor(stop_ids or [-1], dtype=torch.int64), logits, tokens)
+        job = self._job(B, x, idt, lent, t, lent, out, self.head, logits)  # (slots: not read, the C loop derives them)
+        n = kernels.decode_greedy(job, nsteps, torch.tensor(stop_ids, dtype=torch.int64), logits, tokens)
         self.backend.kv_computed += n * B * cfg.num_layers
         return tokens[:n], logits[:n]
