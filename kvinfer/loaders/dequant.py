@@ -14,6 +14,7 @@ _TYPE_IDS = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
     "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
 }
+_TYPE_NAMES = {i: n for n, i in _TYPE_IDS.items()}  # type_name runs a few thousand times per model load
 _QK_K = 256
 # name -> (elements per block, bytes per block)
 _BLOCKS = {
@@ -34,9 +35,8 @@ def type_name(qtype: QType) -> str:
     if isinstance(qtype, str):
         return qtype.upper()
     tid = int(qtype)
-    for n, i in _TYPE_IDS.items():
-        if i == tid:
-            return n
+    if tid in _TYPE_NAMES:
+        return _TYPE_NAMES[tid]
     try:  # a name for the message, for types we do not implement
         import gguf
 
