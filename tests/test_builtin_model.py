@@ -95,7 +95,41 @@ def test_streamed_deltas_join_to_text_and_hold_back_stop_prefixes(builtin_llm):
 
 
 def test_chat_answer_mentions_paris(builtin_llm):
-    out = builtin_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0, max_tokens=32))
+    [out] = builtin_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                             SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_offline_api_takes_vllms_forms(builtin_llm):
+    """vLLM's LLM.generate / LLM.chat call forms: prompt dicts, the sampling_params keyword, a batch of
+    conversations, a continued final message; each the same tokens as the plain form."""
+    from kvinfer.errors import ValidationError
+
+    llm, tok = builtin_llm, builtin_llm.tokenizer
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    text, ids = "The capital of France is", tok.encode("def fib(n):")
+    plain = [o.outputs[0].token_ids for o in llm.generate([text, ids], sp)]
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], sampling_params=sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == plain
+    assert llm.generate({"prompt": text}, sp)[0].outputs[0].token_ids == plain[0]
+
+    convs = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]]
+    batch = llm.chat(convs, sampling_params=sp)
+    assert [o.outputs[0].token_ids for o in batch] == [llm.chat(c, sp)[0].outputs[0].token_ids for c in convs]
+    assert batch[0].prompt_token_ids == tok.encode(tok.apply_chat_template(convs[0]), add_special_tokens=False)
+
+    started = convs[0] + [{"role": "assistant", "content": "The capital of France is"}]
+    [cont] = llm.chat(started, sp, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(cont.prompt_token_ids).endswith("<|im_start|>assistant\nThe capital of France is")
+    assert "Paris" in cont.outputs[0].text
+
+    for call, param in [(lambda: llm.generate({"text": text}), "prompts[0]"),
+                        (lambda: llm.generate([{"prompt": text, "prompt_token_ids": ids}]), "prompts[0]"),
+                        (lambda: llm.chat(started, continue_final_message=True), "continue_final_message"),
+                        (lambda: llm.chat(convs[0], chat_template_kwargs={"messages": []}), "chat_template_kwargs")]:
+        with pytest.raises(ValidationError) as e:
+            call()
+        assert e.value.param == param
+    assert not llm.engine.has_unfinished_requests()

@@ -165,6 +165,15 @@ BAD_CHATS = [
      "top_logprobs"),
     ("chat prompt over the context window",
      json.dumps({"messages": [{"role": "user", "content": "hello " * 1500}]}).encode(), 400, "prompt"),
+    ("continue_final_message with a generation prompt",
+     b'{"messages": [{"role": "user", "content": "hi"}], "continue_final_message": true}', 400,
+     "continue_final_message"),
+    ("chat_template_kwargs setting the messages",
+     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}', 400,
+     "chat_template_kwargs"),
+    ("chat_template_kwargs not an object",
+     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["x"]}', 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -272,6 +281,11 @@ def test_tokenize_and_detokenize(client):
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > r["count"]
     assert_error_shape(client.post("/tokenize", json={}), 400, "prompt")
+    started = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    cont = client.post("/tokenize", json={"messages": started, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()
+    text = client.post("/detokenize", json={"tokens": cont["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHello, I am")
     assert_error_shape(client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
     assert_error_shape(client.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
 

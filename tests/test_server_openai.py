@@ -251,3 +251,24 @@ def test_vllm_prompt_logprobs_extra(client, lax_client, model):
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, stream=True,
                                        extra_body={"prompt_logprobs": 0})
+
+
+def test_vllm_chat_template_extras(client, model):
+    # continue_final_message: the answer goes on from a started assistant message (vLLM's extra, for prefilled
+    # answers); its prompt is the conversation cut after that message's text, so it counts fewer tokens than the
+    # same conversation closed and answered anew.
+    started = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=model, messages=started, temperature=0, max_tokens=8,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    closed = client.chat.completions.create(model=model, messages=started, temperature=0, max_tokens=8)
+    assert "Paris" in r.choices[0].message.content and not r.choices[0].message.content.startswith("The capital")
+    assert r.usage.prompt_tokens < closed.usage.prompt_tokens
+    # chat_template_kwargs reach the template (this one ignores an unknown variable) and cannot set its inputs
+    same = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    plain = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert e.value.body["param"] == "chat_template_kwargs"

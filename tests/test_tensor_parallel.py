@@ -257,7 +257,7 @@ def test_server_under_tp_answers_the_openai_client(tp3_engine, builtin_llm):
     from kvinfer.server.app import ServerThread, create_app
 
     want = builtin_llm.chat([{"role": "user", "content": PROMPTS[0]}],
-                            SamplingParams(temperature=0, max_tokens=12)).outputs[0].text
+                            SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     engine = AsyncLLMEngine(tp3_engine)
     server = ServerThread(create_app(engine, "smollm")).start()
     try:

@@ -378,3 +378,34 @@ def test_template_features(tok):
     assert t.apply_chat_template(conv) == '"é<>"<a>ok</a>4<|im_end|>'
     with pytest.raises(ValidationError, match="failed to render"):
         Tokenizer(tok.backend, chat_template="{{ messages[0].content + 1 }}").apply_chat_template(conv)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS, ids=["one turn", "system", "four turns"])
+def test_continue_final_message_matches_transformers(tok, ref, conv):
+    conv = conv + [{"role": "assistant", "content": "The answer is"}]
+    mine = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    theirs = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert mine == theirs and mine.endswith("<|im_start|>assistant\nThe answer is")
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_named(tok):
+    t = Tokenizer(tok.backend, eos_token="<|im_end|>",
+                  chat_template="{% if greeting %}{{ greeting }}: {% endif %}{% for m in messages %}"
+                                "[{{ m.role }}]{{ m.content }}{% endfor %}")
+    conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    assert t.apply_chat_template(conv) == "[user]x[assistant]y"
+    assert t.apply_chat_template(conv, chat_template_kwargs={"greeting": "hey"}) == "hey: [user]x[assistant]y"
+    # the caller's own variables win over the user's
+    assert t.apply_chat_template(conv, chat_template_kwargs={"greeting": "a"}, greeting="b").startswith("b: ")
+    assert t.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True) == \
+        "[user]x[assistant]y"
+    for kwargs, param in [(dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+                          (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+                          (dict(chat_template_kwargs=["greeting"]), "chat_template_kwargs"),
+                          (dict(continue_final_message=True), "continue_final_message")]:
+        with pytest.raises(ValidationError) as e:
+            t.apply_chat_template(conv, **kwargs)
+        assert e.value.param == param
+    silent = Tokenizer(tok.backend, chat_template="{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(ValidationError, match="nothing to continue"):
+        silent.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)

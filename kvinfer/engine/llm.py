@@ -1,14 +1,35 @@
 """LLM: the offline API — `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from kvinfer.config import EngineConfig
 from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.engine.outputs import RequestOutput
+from kvinfer.errors import ValidationError
 from kvinfer.sampling_params import SamplingParams
 
-Prompt = Union[str, Sequence[int]]
+# A text, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = Union[str, Sequence[int], Mapping[str, Any]]
+Conversation = list[dict]
+
+
+def _single(prompts) -> bool:
+    return isinstance(prompts, (str, Mapping)) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                                   and isinstance(prompts[0], int))
+
+
+def _unwrap(i: int, prompt):
+    """A prompt dict's text or ids; anything else as it is (the input processor checks it)."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise ValidationError(f"prompts[{i}]", sorted(keys), "a prompt dict holds exactly one of prompt (text) or "
+                          "prompt_token_ids (ids)")
 
 
 class LLM:
@@ -22,13 +43,14 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A single prompt (str or list of ids) is a batch of one."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                         and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt, in order. A single prompt (text, ids or prompt dict) is a batch of one;
+        sampling_params: one for all prompts or one per prompt."""
+        if _single(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_unwrap(i, p) for i, p in enumerate(prompts)]
+        params = sampling_params
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -60,6 +82,23 @@ class LLM:
         """End the tensor-parallel workers now rather than at exit (a no-op without them)."""
         self.engine.close()
 
-    def chat(self, messages, params: Optional[SamplingParams] = None) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: Optional[bool] = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list[dict]] = None,
+             chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of {role, content} dicts) or several, each through the model's chat
+        template: one RequestOutput per conversation, in order (as vLLM's LLM.chat). tools and
+        chat_template_kwargs reach the template; continue_final_message (with add_generation_prompt=False)
+        continues the last message instead of starting a new one."""
+        if self.tokenizer is None:
+            raise ValidationError("tokenizer", None, "the model has no tokenizer, so no chat template (load one "
+                                  "with LLM(..., tokenizer=DIR))")
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        kwargs = {} if tools is None else {"tools": tools}
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               chat_template_kwargs=chat_template_kwargs, **kwargs),
+            add_special_tokens=False) for conv in (messages if batch else [messages])]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -16,7 +16,7 @@ from kvinfer.config import PRESETS, EngineConfig, ModelConfig, load_hf_config, p
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.models.decoder import Decoder
 from kvinfer.models.weights import load_into
-from kvinfer.utils import builtin_model_path
+from kvinfer.utils import builtin_model_path, gc_paused
 
 log = logging.getLogger("kvinfer")
 
@@ -48,6 +48,7 @@ class ModelSource:
     config: ModelConfig
 
 
+@gc_paused
 def resolve_source(model: Optional[str], load_format: str) -> ModelSource:
     """Where the weights come from; errors name the path and what was expected there."""
     if model is None:
@@ -172,6 +173,7 @@ def check_source(ecfg: EngineConfig, src: ModelSource) -> None:
         raise ValidationError("tokenizer", ecfg.tokenizer, f"{what} (it must be a directory with tokenizer.json)")
 
 
+@gc_paused
 def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
                source: Optional[ModelSource] = None) -> LoadedModel:
     t0 = time.perf_counter()

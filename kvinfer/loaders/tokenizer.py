@@ -413,25 +413,52 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
-        """Render a conversation to the prompt text; extra kwargs (tools, documents, ...) reach the template."""
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: Optional[Mapping[str, Any]] = None, **template_kwargs: Any) -> str:
+        """Render a conversation to the prompt text; template variables (tools, documents, ...) come from
+        chat_template_kwargs (a user's) and then template_kwargs (the caller's, which win).
+
+        continue_final_message: end the text inside the last message (after its content, without the
+        end-of-turn the template would write), so that the model continues that message (a prefilled answer)."""
         _validate_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValidationError("chat_template_kwargs", _preview(chat_template_kwargs), "must be a dict")
+        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        for key in ("messages", "add_generation_prompt", "continue_final_message"):
+            if key in template_kwargs:
+                raise ValidationError("chat_template_kwargs", key, "is set by the request itself, not a template "
+                                      "variable")
+        if continue_final_message and add_generation_prompt:
+            raise ValidationError("continue_final_message", True, "cannot be combined with add_generation_prompt "
+                                  "(set add_generation_prompt to false)")
+        if continue_final_message:  # render with a marker after the content, then cut the text there
+            messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CUT}]
         context: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs,
                                    "messages": messages, "add_generation_prompt": bool(add_generation_prompt)}
         import jinja2
 
         try:
-            return self._template.render(**context)
+            text = self._template.render(**context)
         except _TemplateRaised as e:
             raise ValidationError("messages", [m["role"] for m in messages],
                                   f"rejected by the model's chat template: {e}") from e
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise ValidationError("messages", [m["role"] for m in messages],
                                   f"the chat template failed to render them: {type(e).__name__}: {e}") from e
+        if continue_final_message:
+            cut = text.rfind(_CUT)
+            if cut < 0:
+                raise ValidationError("continue_final_message", True, "the chat template does not write the last "
+                                      "message's content, so there is nothing to continue")
+            text = text[:cut]
+        return text
 
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self._bos_id}, "
                 f"eos={self._eos_ids}, add_bos={self._add_bos})")
+
+
+_CUT = "\x00kvinfer:continue\x00"  # marks where a continued final message ends; never in real text
 
 
 def _preview(value: Any, limit: int = 8) -> Any:

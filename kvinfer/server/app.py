@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -216,6 +216,13 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
     return prompts, params
 
 
+def _render_chat(tok, body: Union[ChatCompletionRequest, TokenizeRequest], messages: list[dict], extra: dict) -> str:
+    """The prompt text of a chat or tokenize request: its template variables, then the tools' (extra)."""
+    return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                   continue_final_message=bool(body.continue_final_message),
+                                   chat_template_kwargs=body.chat_template_kwargs, **extra)
+
+
 def _chat_input(srv: ServerState, body: ChatCompletionRequest
                 ) -> tuple[list[int], SamplingParams, Optional[int], Optional[ToolContext]]:
     """The templated prompt's token ids, sampling, top logprobs (None: no logprobs) and tools of a chat request."""
@@ -226,8 +233,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
     tools = _tool_context(body, tok)
     messages, extra = template_messages(messages_for_template(body.messages), body.messages,
                                         tools.tools if tools else None, tok.chat_template)
-    text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False, **extra)
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = tok.encode(_render_chat(tok, body, messages, extra), add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, k)  # max_tokens None: the input processor fills in the rest
@@ -302,9 +308,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages, extra = template_messages(messages_for_template(body.messages), body.messages, tools,
                                             tok.chat_template)
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                       **extra)
-        ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        ids = tok.encode(_render_chat(tok, body, messages, extra), add_special_tokens=bool(body.add_special_tokens))
     else:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     out = {"count": len(ids), "max_model_len": srv.engine.max_model_len, "tokens": ids}

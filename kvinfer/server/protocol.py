@@ -224,6 +224,9 @@ class ChatCompletionRequest(_SamplingFields, _StructuredFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = Field(False, description="continue the last message (vLLM's extra); "
+                                                   "needs add_generation_prompt false")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="extra chat template variables")
     tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS)
     tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = Field(
         None, description="default: auto with tools, none without")
@@ -240,6 +243,8 @@ class TokenizeRequest(_Body):
     tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS)  # rendered as the chat endpoint does
     add_special_tokens: Optional[bool] = None  # default: true for prompt, false for messages (the template has them)
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: Optional[bool] = False
 
 
