@@ -50,6 +50,7 @@ class Request:
     # over them ([k, vocab] tensor; None for n-gram proposals, point masses).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: Any = None
+    bad_words_ids: tuple = ()  # token sequences the output must not complete (params.bad_words, tokenized)
 
     @property
     def num_tokens(self) -> int:

@@ -90,6 +90,11 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
     if r.params.logit_bias:  # added to the raw logits, before penalties and temperature
         ids, bias = zip(*r.params.logit_bias.items())
         row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
+    if r.params.allowed_token_ids is not None:
+        allowed = torch.tensor(r.params.allowed_token_ids, dtype=torch.long)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     if r.banned_ids:
         idx = torch.tensor(list(r.banned_ids), dtype=torch.long)
         kept = row[idx] if r.grammar is not None else None  # index by tensor: already a copy

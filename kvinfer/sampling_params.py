@@ -12,6 +12,7 @@ MAX_N = 16
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on biased tokens per request
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_BAD_WORDS = 64  # bad_words per request; each one's token sequences are checked at every sampled token
 
 
 @dataclass
@@ -75,6 +76,12 @@ class SamplingParams:
     logit_bias: Optional[dict] = None  # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     # A grammar the output must follow (token masks from llguidance, see kvinfer/structured.py).
     structured_output: Optional[StructuredOutput] = None
+    # vLLM's: only these token ids may be sampled; words the output never ends (their last token is masked when
+    # the output so far ends with the rest of the word); only the last k prompt tokens are kept (-1: the context
+    # window's worth).
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.structured_output, dict):
@@ -86,6 +93,9 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -139,6 +149,17 @@ class SamplingParams:
             if not is_int(t) or t < 0 or not is_num(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                 bad("logit_bias", f"must map token ids (integers >= 0) to numbers in "
                                   f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {t!r}: {v!r}")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list)
+                                                   or not self.allowed_token_ids
+                                                   or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings, none of them empty or blank")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                        or not (self.truncate_prompt_tokens >= 1
+                                                                or self.truncate_prompt_tokens == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1 (keep the prompt's last k tokens) or -1 (the "
+                                          "context window's worth)")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             bad("structured_output", "must be a StructuredOutput or a dict of its fields")
 
@@ -149,8 +170,10 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing that changes the logits first (penalties, logit_bias): the argmax of the raw row."""
-        return self.greedy and not self.uses_penalties and not self.logit_bias
+        """Greedy with nothing that changes the logits first (penalties, logit_bias, allowed or bad tokens): the
+        argmax of the raw row."""
+        return (self.greedy and not self.uses_penalties and not self.logit_bias and self.allowed_token_ids is None
+                and not self.bad_words)
 
     @property
     def uses_penalties(self) -> bool:

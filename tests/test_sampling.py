@@ -115,3 +115,76 @@ def test_argmax_rows_is_torch_argmax_ties_and_nan_included():
     assert argmax_rows(x[4]) == [int(x[4].argmax())]
     assert argmax_rows(x[:, ::3]) == x[:, ::3].argmax(dim=-1).tolist()  # strided rows
     assert argmax_rows(x.double()) == want  # other dtypes take torch's route
+
+
+def test_allowed_token_ids_in_the_sampler():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5, 0.0]])
+    s = Sampler()
+    greedy = SampleRow(SamplingParams(temperature=0, allowed_token_ids=[2, 4]), [], [], None)
+    assert s.sample(logits, [greedy]).token_ids == [2]  # the best of the allowed, not of all
+    r = SampleRow(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3]), [], [], torch.Generator().manual_seed(0))
+    assert {s.sample(logits, [r]).token_ids[0] for _ in range(300)} == {1, 3}
+    # logprobs stay the model's own (before any mask), as for logit_bias and grammars
+    lp = SampleRow(SamplingParams(temperature=0, allowed_token_ids=[4], logprobs=1), [], [], None)
+    assert s.sample(logits, [lp]).logprobs[0][1][0][0] == 0
+    for bad in ([], [-1], ["3"], "12", [True]):
+        with pytest.raises(ValidationError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    for kw in (dict(bad_words=[""]), dict(bad_words=[" "]), dict(bad_words=[3]), dict(bad_words=["w"] * 65),
+               dict(truncate_prompt_tokens=0), dict(truncate_prompt_tokens=-2), dict(truncate_prompt_tokens=1.5)):
+        with pytest.raises(ValidationError, match=next(iter(kw))):
+            SamplingParams(**kw)
+    assert not SamplingParams(temperature=0, bad_words="x").plain_greedy  # so no multi-step call skips the masks
+    assert not SamplingParams(temperature=0, allowed_token_ids=[1]).plain_greedy
+
+
+def test_bad_words_allowed_ids_and_prompt_truncation(builtin_llm):
+    llm, tok = builtin_llm, builtin_llm.tokenizer
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = dict(temperature=0, max_tokens=16)
+    base = llm.chat(q, SamplingParams(**sp))[0].outputs[0]
+    assert "Paris" in base.text
+    banned = llm.chat(q, SamplingParams(**sp, bad_words=["Paris", "paris"]))[0].outputs[0]
+    spelled = [tok.encode(w, add_special_tokens=False) for w in ("Paris", " Paris", "paris", " paris")]
+    ids = banned.token_ids
+    assert "Paris" not in banned.text and banned.token_ids[:3] == base.token_ids[:3]
+    assert not any(ids[i:i + len(w)] == w for w in spelled for i in range(len(ids)))
+    # A word of several tokens: only its last token is masked, and only where the output ends with the rest
+    two = tok.encode(" capital of", add_special_tokens=False)
+    assert len(two) == 2
+    out = llm.chat(q, SamplingParams(**sp, bad_words=["capital of"]))[0].outputs[0]
+    assert two[0] in out.token_ids and " capital of" not in out.text
+
+    allowed = sorted({t for w in (" yes", " no", "Yes", "No") for t in tok.encode(w, add_special_tokens=False)})
+    yn = llm.chat([{"role": "user", "content": "Is Paris in France?"}],
+                  SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=allowed))[0].outputs[0]
+    assert yn.token_ids and set(yn.token_ids) <= set(allowed)
+
+    text = "one two three four five six seven eight nine ten"
+    kept = llm.generate(text, SamplingParams(**sp, truncate_prompt_tokens=4))[0]
+    direct = llm.generate([tok.encode(text)[-4:]], SamplingParams(**sp))[0]
+    assert kept.prompt_token_ids == direct.prompt_token_ids and len(kept.prompt_token_ids) == 4
+    assert kept.outputs[0].token_ids == direct.outputs[0].token_ids and kept.prompt is None
+    whole = llm.generate(text, SamplingParams(**sp, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt == text and whole.prompt_token_ids == tok.encode(text)
+
+
+def test_masks_give_the_same_tokens_with_speculation_and_batching(builtin_llm):
+    """bad_words and allowed_token_ids act on every verified row as on a sampled one: greedy output is the same
+    with n-gram speculation, alone or batched."""
+    tok = builtin_llm.tokenizer
+    passage = "The lighthouse stood on a rocky point at the edge of the harbour, and the keeper lit the lamp."
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: " + passage}])
+    letters = sorted({t for w in passage.split() for t in tok.encode(" " + w, add_special_tokens=False)})
+    params = [SamplingParams(temperature=0, max_tokens=24, bad_words=["lamp", "harbour"]),
+              SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=letters),
+              SamplingParams(temperature=0, max_tokens=24)]
+    want = [builtin_llm.generate(prompt, p)[0].outputs[0].token_ids for p in params]
+    assert want[0] != want[2] and want[1] != want[2]  # both masks change what greedy decoding picks here
+    spec = LLM(None, dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048, speculative="ngram")
+    try:
+        assert [o.outputs[0].token_ids for o in spec.generate([prompt] * 3, params)] == want
+        assert [spec.generate(prompt, p)[0].outputs[0].token_ids for p in params] == want
+        assert spec.engine.stats["spec_accepted_tokens"] > 0
+    finally:
+        spec.close()

@@ -272,3 +272,16 @@ def test_vllm_chat_template_extras(client, model):
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
                                        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_vllm_sampling_extras(client, lax_client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16,
+                                       extra_body={"bad_words": ["Paris", "paris"]})
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].message.content
+    long = "one two three four five six seven eight nine ten " * 300  # over the context window whole
+    c = lax_client.completions.create(model=model, prompt=long, temperature=0, max_tokens=2, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 5})
+    assert c.usage.prompt_tokens == 5 and c.choices[0].text.startswith(" seven eight nine ten ")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"allowed_token_ids": [-3]})
+    assert e.value.body["param"] == "allowed_token_ids"

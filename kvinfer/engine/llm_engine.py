@@ -209,7 +209,8 @@ class LLMEngine:
         grammar = self.grammar_matcher(params.structured_output) if params.structured_output is not None else None
         reqs = []
         for i in range(params.n):
-            r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, params, group_id=request_id, index=i)
+            r = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, params, group_id=request_id, index=i,
+                        bad_words_ids=req.bad_words_ids)
             r.generator = torch.Generator().manual_seed(_child_seed(base_seed, i))
             if grammar is not None:
                 r.grammar = grammar if i == 0 else grammar.deep_copy()
@@ -471,6 +472,9 @@ class LLMEngine:
         # Under a grammar the ban yields when the grammar allows nothing else (the sampler checks).
         if len(out) < p.min_tokens:
             banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else self._eos_ids())
+        if r.bad_words_ids:  # a word's last token, where the output ends with the rest of it
+            banned += tuple(w[-1] for w in r.bad_words_ids
+                            if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]))
         return SampleRow(p, r.prompt_token_ids, out, r.generator, banned, r.grammar)
 
     def _eos_ids(self) -> tuple[int, ...]:

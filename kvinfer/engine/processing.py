@@ -20,6 +20,7 @@ class EngineRequest:
     prompt: Optional[str]  # the text, when the prompt came as text (reported back in outputs)
     prompt_token_ids: list[int]
     params: SamplingParams
+    bad_words_ids: tuple = ()  # params.bad_words as token sequences (each word with and without a leading space)
 
 
 class InputProcessor:
@@ -53,15 +54,36 @@ class InputProcessor:
         """Raises ValidationError / RequestTooLargeError for a request that can never run."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        for param, ids_ in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias)):
+        for param, ids_ in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias),
+                            ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = next((t for t in ids_ if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValidationError(param, bad, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        keep = params.truncate_prompt_tokens
+        keep = self.max_model_len if keep == -1 else keep
+        if keep is not None and len(ids) > keep:  # left truncation, as vLLM: the answer follows the prompt's end
+            text, ids = None, ids[-keep:]  # the text no longer spells the tokens: outputs report prompt None
+        bad_words = self._bad_words_ids(params.bad_words)
         if params.max_tokens is None:
             # The rest of the room, as OpenAI-style servers do when max_tokens is not given.
             params = replace(params, max_tokens=max(1, self.max_new_tokens(len(ids))))
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        return EngineRequest(request_id, text, ids, params)
+        return EngineRequest(request_id, text, ids, params, bad_words)
+
+    def _bad_words_ids(self, words: Sequence[str]) -> tuple:
+        """Each bad word's token sequences: as text starts with it and, when that spells it differently, after
+        a space (a word inside text), without duplicates."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise ValidationError("bad_words", words, "this model has no tokenizer to spell them")
+        seqs: list[tuple[int, ...]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                t = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if t and t not in seqs:
+                    seqs.append(t)
+        return tuple(seqs)
 
 
 # ---- after the core ------------------------------------------------------------------------------------

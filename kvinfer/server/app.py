@@ -160,11 +160,14 @@ def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int]) -
         kw["repetition_penalty"] = body.repetition_penalty
     if body.min_tokens is not None:
         kw["min_tokens"] = body.min_tokens
-    # Token ids in stop_token_ids and logit_bias are checked against the vocabulary by the input processor.
+    # Token ids in stop_token_ids, logit_bias and allowed_token_ids are checked against the vocabulary by the
+    # input processor, which also spells bad_words in tokens and truncates the prompt (truncate_prompt_tokens).
     if body.stop_token_ids:
         kw["stop_token_ids"] = body.stop_token_ids
     if body.logit_bias:
         kw["logit_bias"] = _logit_bias(body.logit_bias)
+    kw.update(allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+              truncate_prompt_tokens=body.truncate_prompt_tokens)
     kw["structured_output"] = response_format_spec(body.response_format)
     return SamplingParams(**kw)
 

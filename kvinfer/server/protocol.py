@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from kvinfer.engine.async_engine import EngineDeadError, EngineStepError, QueueFullError
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
-from kvinfer.sampling_params import MAX_LOGPROBS, MAX_N
+from kvinfer.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, MAX_N
 
 # Strict: a string where a number belongs, or true where a token id belongs, is a client bug worth a 400,
 # not something to coerce. Extra fields are ignored, as OpenAI clients send fields we do not implement.
@@ -98,6 +98,10 @@ class _SamplingFields(_Body):
         "top-k log probabilities of each prompt token, as vLLM reports them (not with stream)"))
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit before sampling")
+    allowed_token_ids: Optional[list[int]] = Field(None, min_length=1, description="only these tokens are sampled")
+    bad_words: Optional[list[str]] = Field(None, max_length=MAX_BAD_WORDS, description="words the output never ends")
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, description=(
+        "keep only the prompt's last k tokens (-1: the context window's worth)"))
 
 
 class JsonSchemaFormat(BaseModel):

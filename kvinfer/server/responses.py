@@ -183,9 +183,10 @@ class CompletionReply(Reply):
         self.echoed: set[int] = set()
 
     def _prompt_text(self, p_idx: int, out) -> str:
-        prompt, tok = self.prompts[p_idx], self.token_text.tok
-        if isinstance(prompt, str):
-            return prompt
+        """The echoed prompt: its text, or its tokens decoded (a prompt of ids, or one cut by truncate_prompt_tokens)."""
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.token_text.tok
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
     def chunks(self, out) -> Iterator[dict]:
