@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -91,6 +90,8 @@ async def _one_request(client, url: str, w, sem, model: str) -> dict:
 
 
 async def _run_http(url: str, work, concurrency: int, model: str) -> dict:
+    import asyncio
+
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -171,6 +172,8 @@ def cmd_bench_serve(args) -> int:
         server = ServerThread(create_app(aengine, "bench")).start()
         try:
             before = aengine.stats()
+            import asyncio  # here, not at the top: every kvinfer command imports this module for its flags
+
             row = asyncio.run(_run_http(server.url, work, concurrency, "bench"))
             after = aengine.stats()
             row.update(steps=after.steps - before.steps, preemptions=after.preemptions - before.preemptions)
