@@ -22,8 +22,8 @@ MAX_LEN = 96
 
 
 def _requests(vocab: int, lo: int) -> list[tuple[list[int], SamplingParams]]:
-    """Six requests: shared prefixes (prefix-cache hits), lengths 3-41, greedy and seeded sampling, logprobs, and
-    prompt logprobs for two of them (one of which shares its prefix with others)."""
+    """Six requests: shared prefixes (prefix-cache hits), lengths 3-41, greedy and seeded sampling, logprobs,
+    prompt logprobs for two of them (one of which shares its prefix with others) and allowed_token_ids for two."""
     g = torch.Generator().manual_seed(5)
     stem = torch.randint(lo, vocab, (24,), generator=g).tolist()
     prompts = [stem[:20] + [lo + 1, lo + 2], stem[:20] + [lo + 3], stem + stem[:17],
@@ -37,6 +37,8 @@ def _requests(vocab: int, lo: int) -> list[tuple[list[int], SamplingParams]]:
             p = SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True, logprobs=2)
         if i in (0, 2):
             p = SamplingParams(**{**p.__dict__, "prompt_logprobs": 2 - i})
+        if i in (1, 5):  # a mask on the logits (greedy and sampled): the same tokens however served
+            p = SamplingParams(**{**p.__dict__, "allowed_token_ids": list(range(lo, vocab, 2 + i % 3))})
         params.append(p)
     return list(zip(prompts, params))
 
