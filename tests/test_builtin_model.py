@@ -106,7 +106,8 @@ def test_offline_api_takes_vllms_forms(builtin_llm):
     conversations, a continued final message; each the same tokens as the plain form."""
     from kvinfer.errors import ValidationError
 
-    llm, tok = builtin_llm, builtin_llm.tokenizer
+    llm, tok = builtin_llm, builtin_llm.get_tokenizer()
+    assert tok is builtin_llm.engine.tokenizer
     sp = SamplingParams(temperature=0, max_tokens=8)
     text, ids = "The capital of France is", tok.encode("def fib(n):")
     plain = [o.outputs[0].token_ids for o in llm.generate([text, ids], sp)]

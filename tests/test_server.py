@@ -48,6 +48,9 @@ def _wait_kv_free(client, timeout=15.0) -> str:
 
 def test_health_models_and_metrics(client, srv):
     assert client.get("/health").json() == {"status": "ok"}
+    from kvinfer import __version__
+
+    assert client.get("/version").json() == {"version": __version__}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == srv.model_name
     assert client.get(f"/v1/models/{srv.model_name}").json()["id"] == srv.model_name

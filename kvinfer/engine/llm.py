@@ -78,6 +78,10 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (None for a model loaded without one), as vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
+
     def close(self) -> None:
         """End the tensor-parallel workers now rather than at exit (a no-op without them)."""
         self.engine.close()

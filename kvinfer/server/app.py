@@ -279,6 +279,12 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
+async def version(request: Request):
+    from kvinfer import __version__
+
+    return {"version": __version__}
+
+
 async def metrics(request: Request):
     return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE)
 
@@ -353,6 +359,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 # (method, path, route, documents the error shape) in matching order
 _ROUTES = [
     ("GET", "/health", health, False),
+    ("GET", "/version", version, False),
     ("GET", "/metrics", metrics, False),
     ("GET", "/v1/models", models, True),
     ("GET", "/v1/models/{model_id:path}", model, True),
