@@ -35,8 +35,8 @@ def api_schema(fuzz_server):
 # Listed here rather than via schemathesis' pytest plugin, whose lazy fixture loader does not run on this
 # pytest; a test below checks that this list is every operation the document has.
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
-              ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
-              ("POST", "/v1/chat/completions")]
+              ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
 HEAVY = {"/v1/completions", "/v1/chat/completions"}
 
 

@@ -183,7 +183,7 @@ class CompletionReply(Reply):
         self.echoed: set[int] = set()
 
     def _prompt_text(self, p_idx: int, out) -> str:
-        """The echoed prompt: its text, or its tokens decoded (a prompt of ids, or one cut by truncate_prompt_tokens)."""
+        """The echoed prompt: its text, or its tokens decoded (a prompt of ids, or one truncate_prompt_tokens cut)."""
         if out.prompt is not None:
             return out.prompt
         tok = self.token_text.tok
