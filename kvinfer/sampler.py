@@ -97,10 +97,12 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
         row[allowed] = kept
     if r.banned_ids:
         idx = torch.tensor(list(r.banned_ids), dtype=torch.long)
-        kept = row[idx] if r.grammar is not None else None  # index by tensor: already a copy
+        kept = row[idx]  # index by tensor: already a copy
         row[idx] = float("-inf")
-        if kept is not None and not bool(torch.isfinite(row).any()):
-            row[idx] = kept  # the grammar is complete: min_tokens cannot make it go on
+        if not bool(torch.isfinite(row).any()):
+            # Nothing else is left (a complete grammar, or allowed_token_ids all banned now): the ban yields,
+            # rather than a draw from nothing.
+            row[idx] = kept
 
     if r.params.uses_penalties:
         row = apply_penalties(row, r.params, r.prompt_ids, r.output_ids)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from kvinfer.errors import ValidationError
 
@@ -51,6 +51,14 @@ class StructuredOutput:
         return next(k for k in ("json", "regex", "choice", "lark") if getattr(self, k) not in (None, False))
 
 
+def _listed(value):
+    """A list of an iterable's items; anything else as it is, for the validation to name."""
+    try:
+        return list(value)
+    except TypeError:
+        return value
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping; temperature 0 means greedy."""
@@ -93,9 +101,9 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes, Mapping)):
+            self.allowed_token_ids = _listed(self.allowed_token_ids)
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _listed(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -153,7 +161,8 @@ class SamplingParams:
                                                    or not self.allowed_token_ids
                                                    or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
-        if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+        if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS \
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings, none of them empty or blank")
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                         or not (self.truncate_prompt_tokens >= 1

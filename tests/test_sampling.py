@@ -124,13 +124,19 @@ def test_allowed_token_ids_in_the_sampler():
     assert s.sample(logits, [greedy]).token_ids == [2]  # the best of the allowed, not of all
     r = SampleRow(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3]), [], [], torch.Generator().manual_seed(0))
     assert {s.sample(logits, [r]).token_ids[0] for _ in range(300)} == {1, 3}
+    # When bans leave nothing allowed (here every allowed id is banned), the ban yields instead of a draw from
+    # nothing: greedy and sampled rows still get an allowed token
+    for t in (0, 1.0):
+        both = SampleRow(SamplingParams(temperature=t, allowed_token_ids=[1, 2]), [], [],
+                         torch.Generator().manual_seed(0), banned_ids=(1, 2))
+        assert s.sample(logits, [both]).token_ids[0] in (1, 2)
     # logprobs stay the model's own (before any mask), as for logit_bias and grammars
     lp = SampleRow(SamplingParams(temperature=0, allowed_token_ids=[4], logprobs=1), [], [], None)
     assert s.sample(logits, [lp]).logprobs[0][1][0][0] == 0
-    for bad in ([], [-1], ["3"], "12", [True]):
+    for bad in ([], [-1], ["3"], "12", [True], 5, {1: 2}):
         with pytest.raises(ValidationError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
-    for kw in (dict(bad_words=[""]), dict(bad_words=[" "]), dict(bad_words=[3]), dict(bad_words=["w"] * 65),
+    for kw in (dict(bad_words=[""]), dict(bad_words=[" "]), dict(bad_words=[3]), dict(bad_words=["w"] * 65), dict(bad_words=5),
                dict(truncate_prompt_tokens=0), dict(truncate_prompt_tokens=-2), dict(truncate_prompt_tokens=1.5)):
         with pytest.raises(ValidationError, match=next(iter(kw))):
             SamplingParams(**kw)
