@@ -92,9 +92,11 @@ def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
         row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=row.dtype)
     if r.params.allowed_token_ids is not None:
         allowed = torch.tensor(r.params.allowed_token_ids, dtype=torch.long)
-        kept = row[allowed]
-        row.fill_(float("-inf"))
-        row[allowed] = kept
+        masked = torch.full_like(row, float("-inf"))
+        masked[allowed] = row[allowed]
+        if bool(torch.isfinite(masked).any()):
+            row = masked
+        # else a grammar already forbids every allowed id: the grammar wins, rather than a draw from nothing
     if r.banned_ids:
         idx = torch.tensor(list(r.banned_ids), dtype=torch.long)
         kept = row[idx]  # index by tensor: already a copy

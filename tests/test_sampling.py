@@ -194,3 +194,14 @@ def test_masks_give_the_same_tokens_with_speculation_and_batching(builtin_llm):
         assert spec.engine.stats["spec_accepted_tokens"] > 0
     finally:
         spec.close()
+
+
+def test_allowed_token_ids_that_a_grammar_forbids_yield_to_it(builtin_llm):
+    # Every allowed id is outside the grammar: the grammar wins (no draw from an empty set, no crash of the step)
+    tok = builtin_llm.tokenizer
+    allowed = [tok.encode(" yes", add_special_tokens=False)[0]]
+    for t in (0, 0.8):
+        out = builtin_llm.generate("Pick a colour:", SamplingParams(
+            temperature=t, seed=1, max_tokens=8, allowed_token_ids=allowed,
+            structured_output={"choice": ["red", "blue"]}))[0].outputs[0]
+        assert out.text in ("red", "blue") and out.finish_reason == "stop"
