@@ -11,6 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from kvinfer import SamplingParams
 from server_helpers import assert_error_shape, engine_config, start_server
 
 S = {"type": "string", "maxLength": 24}  # bounded strings keep a 135M model's answers short
@@ -202,6 +203,18 @@ def test_tokenize_renders_tools_as_chat_does(srv, client):
         plain = c.post("/tokenize", json={"messages": msgs}).json()
         assert_error_shape(c.post("/tokenize", json={"prompt": "x", "tools": TOOLS}), 400, "tools")
     assert with_tools["count"] == r.usage.prompt_tokens > plain["count"]
+
+
+def test_offline_chat_renders_tools_as_the_server_does(srv, builtin_llm):
+    # LLM.chat(tools=...) and the chat endpoint give the same prompt tokens: tool definitions, assistant tool calls
+    # and tool results alike (the built-in model's template has no place for tools: Hermes-style text).
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for msgs, tools in ((ask("Weather in Oslo?"), TOOLS), (FEW_SHOT, TOOLS), (FEW_SHOT, None)):
+            served = c.post("/tokenize", json={"messages": msgs, **({"tools": tools} if tools else {})}).json()
+            [offline] = builtin_llm.chat(msgs, sp, tools=tools)
+            assert offline.prompt_token_ids == served["tokens"]
+    assert "<tool_call>" in builtin_llm.get_tokenizer().decode(builtin_llm.chat(FEW_SHOT, sp)[0].prompt_token_ids)
 
 
 def _joined_stream(client, **kw):

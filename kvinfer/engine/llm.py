@@ -92,17 +92,32 @@ class LLM:
              continue_final_message: bool = False, tools: Optional[list[dict]] = None,
              chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[RequestOutput]:
         """Answer one conversation (a list of {role, content} dicts) or several, each through the model's chat
-        template: one RequestOutput per conversation, in order (as vLLM's LLM.chat). tools and
-        chat_template_kwargs reach the template; continue_final_message (with add_generation_prompt=False)
-        continues the last message instead of starting a new one."""
+        template: one RequestOutput per conversation, in order (as vLLM's LLM.chat). tools (OpenAI's list of
+        functions) are rendered as the server renders them; chat_template_kwargs reach the template;
+        continue_final_message (with add_generation_prompt=False) continues the last message instead of starting a
+        new one."""
         if self.tokenizer is None:
             raise ValidationError("tokenizer", None, "the model has no tokenizer, so no chat template (load one "
                                   "with LLM(..., tokenizer=DIR))")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
-        kwargs = {} if tools is None else {"tools": tools}
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message,
-                                               chat_template_kwargs=chat_template_kwargs, **kwargs),
-            add_special_tokens=False) for conv in (messages if batch else [messages])]
+        prompts = [self.tokenizer.encode(self._render(list(conv), tools, add_generation_prompt, continue_final_message,
+                                                      chat_template_kwargs), add_special_tokens=False)
+                   for conv in (messages if batch else [messages])]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render(self, conv: list, tools, add_generation_prompt: bool, continue_final_message: bool,
+                chat_template_kwargs) -> str:
+        """One conversation's prompt text; tools (and assistant tool_calls, tool results) as the server's chat
+        endpoint renders them: the template's own way when it has a place for tools, else Hermes-style text."""
+        tok, extra = self.tokenizer, {}
+        if tools is not None or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                    for m in conv):
+            from kvinfer.loaders.chat_tools import template_messages
+
+            plain = [{"role": m.get("role"), "content": m.get("content") or ""} if isinstance(m, dict) and
+                     m.get("tool_calls") and m.get("content") is None else m for m in conv]
+            tok.check_messages(plain)
+            conv, extra = template_messages(plain, conv, tools, tok.chat_template)
+        return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs, **extra)

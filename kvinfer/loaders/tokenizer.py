@@ -412,6 +412,11 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
+    @staticmethod
+    def check_messages(messages: Any) -> None:
+        """ValidationError naming the first message that is not a {role, content} dict with a known role."""
+        _validate_messages(messages)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             chat_template_kwargs: Optional[Mapping[str, Any]] = None, **template_kwargs: Any) -> str:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvinfer.errors import KvinferError
+from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.page import add_page_routes, note_page_request
@@ -24,7 +25,7 @@ from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, 
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
 from kvinfer.server.responses import ChatReply, CompletionReply, TokenText, respond
-from kvinfer.server.tools import ToolContext, response_format_spec, template_messages
+from kvinfer.server.tools import ToolContext, response_format_spec
 
 log = logging.getLogger("kvinfer.server")
 

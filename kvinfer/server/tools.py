@@ -1,5 +1,6 @@
-"""Tool calling for the chat API: tools rendered into the prompt, grammars for forced calls, and the model's
-text parsed back into OpenAI `tool_calls` (Hermes/Qwen `<tool_call>` JSON, Llama 3 JSON), whole or streamed."""
+"""Tool calling for the chat API: grammars for forced calls, and the model's text parsed back into OpenAI
+`tool_calls` (Hermes/Qwen `<tool_call>` JSON, Llama 3 JSON), whole or streamed. Tools reach the prompt through
+kvinfer.loaders.chat_tools."""
 from __future__ import annotations
 
 import json
@@ -9,23 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvinfer.errors import ValidationError
+from kvinfer.loaders.chat_tools import HERMES_CLOSE as _HERMES_CLOSE
+from kvinfer.loaders.chat_tools import HERMES_OPEN as _HERMES_OPEN
+from kvinfer.loaders.chat_tools import as_object as _as_object
 from kvinfer.sampling_params import StructuredOutput
 
 HERMES = "hermes"
 LLAMA3 = "llama3"
 
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-
-# Written into the system prompt when the model's own template has no place for tools; the format is Hermes',
-# which the parser of such models then reads back.
-_HERMES_SYSTEM = (
-    "You are a function calling AI model. You may call one or more functions to assist with the user query. "
-    "The functions are given in JSON within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n"
-    "For each function call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
-    "</tool_call>"
-)
 
 
 def parser_for_template(template: str) -> str:
@@ -33,10 +26,6 @@ def parser_for_template(template: str) -> str:
     if _PYTHON_TAG in template or "ipython" in template:
         return LLAMA3
     return HERMES
-
-
-def template_knows_tools(template: str) -> bool:
-    return "tools" in template
 
 
 @dataclass
@@ -47,57 +36,6 @@ class ToolCall:
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-# ---- prompt side -----------------------------------------------------------------------------------------
-def template_messages(messages: list[dict], raw_messages: list, tools: Optional[list[dict]],
-                      template: str) -> tuple[list[dict], dict]:
-    """Messages and extra template variables with tool definitions, assistant tool calls and tool results.
-
-    `messages` are the plain {role, content} dicts; `raw_messages` the request's messages (with tool_calls and
-    tool_call_id). A template that mentions tools gets them the Hugging Face way (the `tools` variable,
-    `tool_calls` with arguments as objects); any other template gets them written into the text as Hermes does.
-    """
-    native = template_knows_tools(template)
-    out = []
-    for m, raw in zip(messages, raw_messages):
-        m = dict(m)
-        calls = getattr(raw, "tool_calls", None)
-        if calls:
-            parsed = [{"id": c.id, "type": "function",
-                       "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
-                      for c in calls]
-            if native:
-                m["tool_calls"] = parsed
-            else:
-                text = "\n".join(_HERMES_OPEN + "\n" + json.dumps({"name": c["function"]["name"],
-                                                                  "arguments": c["function"]["arguments"]})
-                                 + "\n" + _HERMES_CLOSE for c in parsed)
-                m["content"] = (m["content"] + "\n" if m["content"] else "") + text
-        if raw.role == "tool":
-            if getattr(raw, "tool_call_id", None) is not None:
-                m["tool_call_id"] = raw.tool_call_id
-            if not native:
-                m["content"] = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-        out.append(m)
-    if not tools:
-        return out, {}
-    if native:
-        return out, {"tools": tools}
-    system = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
-    else:
-        out.insert(0, {"role": "system", "content": system})
-    return out, {}
-
-
-def _as_object(arguments: str) -> Any:
-    # Templates write arguments with tojson; a string that holds JSON is passed as the object it holds.
-    try:
-        return json.loads(arguments)
-    except (TypeError, ValueError):
-        return arguments
 
 
 # ---- forced calls ----------------------------------------------------------------------------------------
