@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from kvinfer import __version__
 from kvinfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from kvinfer.errors import RequestTooLargeError, ValidationError
 from kvinfer.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -48,8 +49,6 @@ def _wait_kv_free(client, timeout=15.0) -> str:
 
 def test_health_models_and_metrics(client, srv):
     assert client.get("/health").json() == {"status": "ok"}
-    from kvinfer import __version__
-
     assert client.get("/version").json() == {"version": __version__}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == srv.model_name
