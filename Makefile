@@ -36,13 +36,13 @@ browser:
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends chromium fonts-dejavu-core; } >/dev/null || echo "could not install chromium"; }
 
-# The figures README's Benchmarks section cites, each header naming the machine (about 5 minutes on 2 cores).
+# The figures README's Benchmarks section cites, each header naming the machine (about 7 minutes on 2 cores).
 # llama.cpp peers: LLAMA_BENCH=path/to/llama-bench LLAMA_SERVER=path/to/llama-server make bench
 bench: $(VENV)/.installed-test
 	$(VENV)/bin/kvinfer bench decode --tokens 128 --prompt-tokens 32 --compare llama.cpp --rounds 5
 	$(VENV)/bin/kvinfer bench decode --tokens 16 --prompt-tokens 512 --compare llama.cpp --rounds 3
 	$(VENV)/bin/kvinfer bench throughput --num-requests 32 --compare llama-server
-	$(VENV)/bin/kvinfer bench spec
+	$(VENV)/bin/kvinfer bench spec --rounds 3
 	@$(PY) -m compileall -q kvinfer  # start-up as installed (PYTHONDONTWRITEBYTECODE would leave sources uncompiled)
 	@for i in 1 2 3; do $(PY) -c 'import resource, subprocess, sys, time; t = time.perf_counter(); \
 	  subprocess.run(sys.argv[1:], check=True, capture_output=True); \

@@ -408,3 +408,11 @@ def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
         assert r["speedup"] == pytest.approx(r["tps_on"] / r["tps_off"])
         assert 0 <= r["accepted"] <= r["proposed"]
     assert res["rows"][0]["accepted"] > 0 and res["speculative"] == "n-gram 1..4"
+    # Rounds: off and on back to back in each, the speed-up the median of the rounds' own ratios
+    assert main(["bench", "spec", "--prompts", "1", "--max-tokens", "8", "--throughput-requests", "0", "--rounds", "3",
+                 "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rounds"] == 3
+    for r in res["rows"]:
+        assert len(r["round_speedups"]) == 3 and r["speedup"] == sorted(r["round_speedups"])[1]
+        assert r["identical"] == r["requests"] == 1

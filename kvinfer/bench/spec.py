@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from kvinfer.bench import machine, machine_line
@@ -24,6 +25,10 @@ def register_spec(bs) -> None:
     s.add_argument("--throughput-requests", type=int_at_least("--throughput-requests", 0), default=16,
                    help="requests of the bench throughput workload for the non-extractive check; 0 skips it "
                         "(default 16)")
+    s.add_argument("--rounds", type=int_at_least("--rounds", 1, 50), default=1,
+                   help="rounds; each runs every workload with speculation off and on back to back (the order "
+                        "flips each round, the prefix caches start empty); medians, and the speed-up as the median "
+                        "of each round's (default 1)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(s)
     s.set_defaults(func=cmd_spec)
@@ -47,6 +52,29 @@ def _run(engine, prompts, params) -> tuple[list[list[int]], float, float]:
 def _spec_stats(engine) -> tuple[int, int, int]:
     st = engine.stats
     return st["spec_drafts"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _measure(engine, how: str, prompts, params) -> dict:
+    """One workload through one engine: one prompt at a time ("single") or all at once ("batch")."""
+    before = _spec_stats(engine)
+    if how == "single":
+        outs, secs, dsecs = [], 0.0, 0.0
+        for p, sp in zip(prompts, params):
+            o, s, ds = _run(engine, [p], [sp])
+            outs += o
+            secs += s
+            dsecs += ds
+    else:
+        outs, secs, dsecs = _run(engine, prompts, params)
+    d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
+    gen = sum(len(o) for o in outs)
+    return dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs,
+                decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
+                drafts=d, draft_tokens=p, accepted_tokens=a)
 
 
 def cmd_spec(args) -> int:
@@ -79,44 +107,42 @@ def cmd_spec(args) -> int:
     if work:
         phases.append((f"throughput prompts, batched ({len(work)})", "batch", [w.prompt_token_ids for w in work],
                        [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]))
-    results: dict[str, dict] = {name: {} for name, *_ in phases}
-    for mode, mcfg in (("off", cfg.replace(speculative=None, speculative_model=None)), ("on", cfg)):
-        engine = LLMEngine(mcfg, loaded=loaded)
-        label = _model_label(engine)
+    # Both engines on the same weights, and each workload measured off and on back to back: the VM's speed drifts
+    # by 10-30% over a minute, which would otherwise land on one side of a ratio.
+    engines = {mode: LLMEngine(mcfg, loaded=loaded)
+               for mode, mcfg in (("off", cfg.replace(speculative=None, speculative_model=None)), ("on", cfg))}
+    label = _model_label(engines["on"])
+    for engine in engines.values():
         _run(engine, [extractive[0][:16]], [SamplingParams(temperature=0, max_tokens=8)])  # warm-up, not measured
+    results: dict[str, dict] = {name: {"off": [], "on": []} for name, *_ in phases}
+    for rnd in range(args.rounds):
+        for engine in engines.values():
+            engine.kv_manager.reset_prefix_cache()  # every round sees the same caches
         for name, how, prompts, params in phases:
-            before = _spec_stats(engine)
-            if how == "single":
-                outs, secs, dsecs = [], 0.0, 0.0
-                for p, sp in zip(prompts, params):
-                    o, s, ds = _run(engine, [p], [sp])
-                    outs += o
-                    secs += s
-                    dsecs += ds
-            else:
-                outs, secs, dsecs = _run(engine, prompts, params)
-            d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
-            gen = sum(len(o) for o in outs)
-            results[name][mode] = dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs,
-                                       decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
-                                       drafts=d, draft_tokens=p, accepted_tokens=a)
-        del engine
+            for mode in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
+                results[name][mode].append(_measure(engines[mode], how, prompts, params))
+    del engines
     rows = []
     for name, *_ in phases:
-        off, on = results[name]["off"], results[name]["on"]
-        rate, length = acceptance(on["drafts"], on["draft_tokens"], on["accepted_tokens"])
-        same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
-        rows.append(dict(workload=name, tps_off=off["tps"], tps_on=on["tps"], speedup=on["tps"] / off["tps"],
-                         acceptance_rate=rate, mean_accepted_length=length, proposed=on["draft_tokens"],
-                         accepted=on["accepted_tokens"], identical=same, requests=len(off["outputs"]),
-                         generated_off=off["generated"], generated_on=on["generated"],
-                         decode_tps_off=off["decode_tps"], decode_tps_on=on["decode_tps"]))
+        offs, ons = results[name]["off"], results[name]["on"]
+        d, p, a = (sum(r[k] for r in ons) for k in ("drafts", "draft_tokens", "accepted_tokens"))
+        rate, length = acceptance(d, p, a)
+        same = min(sum(x == y for x, y in zip(f["outputs"], o["outputs"])) for f, o in zip(offs, ons))
+        ratios = [o["tps"] / f["tps"] for f, o in zip(offs, ons)]
+        dec = [o["decode_tps"] / f["decode_tps"] for f, o in zip(offs, ons) if f["decode_tps"]]
+        rows.append(dict(workload=name, tps_off=_median(offs, "tps"), tps_on=_median(ons, "tps"),
+                         speedup=statistics.median(ratios), round_speedups=ratios, acceptance_rate=rate,
+                         mean_accepted_length=length, proposed=p, accepted=a, identical=same,
+                         requests=len(offs[0]["outputs"]), generated_off=offs[-1]["generated"],
+                         generated_on=ons[-1]["generated"], decode_tps_off=_median(offs, "decode_tps"),
+                         decode_tps_on=_median(ons, "decode_tps"),
+                         decode_speedup=statistics.median(dec) if dec else 0.0))
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
         print(json.dumps(dict(model=label, machine=machine(), threads=_threads(), speculative=how,
                               num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=args.max_tokens,
-                              rows=rows), indent=2))
+                              rounds=args.rounds, rows=rows), indent=2))
         return 0
     print(f"kvinfer bench spec: {label}, {_threads()} threads, speculative {how}, "
           f"k={cfg.num_speculative_tokens}, greedy; extractive prompts up to {args.max_tokens} new tokens")
@@ -129,6 +155,11 @@ def cmd_spec(args) -> int:
               f"{r['identical']:>7}/{r['requests']}")
     single = rows[0]
     print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
-          f"{single['decode_tps_on']:.1f} tok/s, {single['decode_tps_on'] / single['decode_tps_off']:.2f}x")
+          f"{single['decode_tps_on']:.1f} tok/s, {single['decode_speedup']:.2f}x")
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds (off and on back to back, order flipped each round); per-round "
+              "speed-ups:")
+        for r in rows:
+            print(f"  {r['workload']}: " + ", ".join(f"{x:.2f}x" for x in r["round_speedups"]))
     return 0
 
