@@ -69,7 +69,7 @@ OWN = {
                          "--llama-server-slots": ["0"],
                          "--hf-batch-size": ["0"]},
     "bench structured": {"--requests": ["0"], "--tokens": ["1", "nan"], "--rounds": ["0"]},
-    "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"]},
+    "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"], "--rounds": ["0", "51"]},
     "bench exact": {"--prompts": ["1", HUGE], "--tokens": ["0", "nan"]},
     "bench kv-attention": {"--context": ["15", HUGE], "--calls": ["0"], "--rounds": ["0", "nan"], "--threads": ["0"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
