@@ -10,7 +10,7 @@
  *
  * Measured 2026-12-02, AMD EPYC Zen 3 (AVX2/FMA/F16C, no AVX-512), 1 thread, ns per row and 32-weight block,
  * kvq_matmul vs this: N=576 K=1536: 1 row 1.62 vs 0.69 (2.4x, weights in L2), 4 rows 0.98 vs 0.58, 8 rows
- * 0.89 vs 0.58, 64 rows 0.86 vs 0.55 (1.4-1.8x); N=24576 K=1536 (weights from memory): 1 row 2.15 vs 1.75
+ * 0.89 vs 0.58, 64 rows 0.86 vs 0.55 (1.55-1.7x; N=1536 K=512: 1.4-1.75x at 4-64 rows); N=24576 K=1536 (weights from memory): 1 row 2.15 vs 1.75
  * (1.23x), 5 rows 1.01 vs 0.65, 8 rows 0.98 vs 0.63 (1.56x). Relative RMS difference from the int16 kernel's
  * result on this random data: 5-7e-3 (int8 rounding; llama.cpp rounds activations to 8 bits too).
  */

@@ -17,8 +17,9 @@ def register_exact(bs) -> None:
                       description="Each prompt is generated alone, then again inside a batch of 24, in shuffled "
                                   "order, with a 64-token chunked-prefill budget, after a prefix-cache hit, under a "
                                   "KV budget small enough to preempt, with the contiguous and with the none "
-                                  "backend, and with one decode step per C call (--num-scheduler-steps 1). Prints, per way, how many requests gave bitwise the same token ids "
-                                  "and logprobs as alone, and how many the same tokens.")
+                                  "backend, and with one decode step per C call (--num-scheduler-steps 1). "
+                                  "Prints, per way, how many requests gave bitwise the same token ids and logprobs "
+                                  "as alone, and how many the same tokens.")
     e.add_argument("--prompts", type=int_at_least("--prompts", 2), default=12, help="requests (default 12)")
     e.add_argument("--tokens", type=int_at_least("--tokens"), default=32, help="new tokens each (default 32)")
     e.add_argument("--temperature", type=float, default=0.0,
