@@ -75,7 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="dummy: random weights for any config, to benchmark big shapes (default: auto)")
     g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's own)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (auto: bfloat16)")
+                   help="weights and activations dtype (auto: float32 on CPU, the dtype of the quantised "
+                        "kernels; bfloat16 on CUDA)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
                    help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 blocks and decode with kvinfer's CPU kernels; "
                         "auto: gguf for GGUF models on CPU in float32 (default), none: dequantize to float")
