@@ -93,17 +93,21 @@ def forced_call_spec(tools: list[dict], choice: Any, parallel: bool) -> tuple[St
 
 
 def parse_forced(text: str, name: Optional[str]) -> list[ToolCall]:
-    """Calls out of a forced (grammar-constrained) output; empty if it was cut short before the JSON closed."""
+    """Calls out of a forced (grammar-constrained) output; empty if it was cut short before the JSON closed.
+    Arguments are the text as generated, so a streamed call's deltas join to the same string."""
     try:
         value = json.loads(text)
     except ValueError:
         return []
     if name is not None:
-        return [ToolCall(name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else []
-    if not isinstance(value, list):
+        return [ToolCall(name, text)] if isinstance(value, dict) else []
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         return []
-    return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value
-            if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
+    raw = partial_calls(text)  # the same objects in the same order, with each one's arguments text
+    if len(raw) != len(value):
+        return []
+    return [ToolCall(c["name"], args) for c, (_, args) in zip(value, raw)
+            if isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
 
 
 # ---- free-form (auto) output ------------------------------------------------------------------------------
