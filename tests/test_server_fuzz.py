@@ -36,8 +36,9 @@ def api_schema(fuzz_server):
 # pytest; a test below checks that this list is every operation the document has.
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
-HEAVY = {"/v1/completions", "/v1/chat/completions"}
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]
+HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 
 def test_openapi_documents_request_bodies(fuzz_server):
@@ -89,6 +90,15 @@ TOOLS = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function":
 FORMATS = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
                                 optional={"json_schema": st.fixed_dictionaries(
                                     {"name": TEXT}, optional={"schema": st.dictionaries(TEXT, JSON, max_size=2)})})
+PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                       "text": TEXT}), max_size=2)
+ITEMS = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+                           "content": TEXT | PARTS}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": TEXT | st.just("f"),
+                           "arguments": TEXT | st.just("{}")}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT | PARTS}),
+    JSON), max_size=3)
 BODIES = {
     "/v1/completions": st.fixed_dictionaries({"prompt": TEXT | st.lists(TEXT, min_size=1, max_size=2),
                                              "max_tokens": st.just(1)},
@@ -97,6 +107,15 @@ BODIES = {
         "stop": st.lists(TEXT, max_size=2), "tools": TOOLS, "response_format": FORMATS,
         "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.just({"type": "function",
                                                                              "function": {"name": "f"}})}),
+    "/v1/responses": st.fixed_dictionaries({"input": TEXT | ITEMS, "max_output_tokens": st.just(1)}, optional={
+        "instructions": TEXT, "previous_response_id": TEXT, "include": st.lists(TEXT, max_size=2),
+        "top_logprobs": st.integers(0, 3), "tools": st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"]), "name": TEXT | st.just("f")},
+            optional={"parameters": JSON}), max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.just({"type": "function", "name": "f"}),
+        "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+            optional={"name": TEXT, "schema": st.dictionaries(TEXT, JSON, max_size=2)})})}),
     "/tokenize": st.fixed_dictionaries({}, optional={"prompt": TEXT, "messages": MESSAGES, "model": TEXT}),
     "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 100), max_size=3)},
                                          optional={"model": TEXT}),
@@ -135,6 +154,7 @@ def test_lone_surrogates_are_a_400_naming_the_field(fuzz_server):
                 ("/v1/completions", '{"prompt": "\\udcff", "max_tokens": 1}', "prompt"),
                 ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
                  "messages[0].content"),
+                ("/v1/responses", '{"input": [{"role": "user", "content": "\\udcff"}]}', "input[0].content"),
                 ("/tokenize", '{"prompt": "\\udcff"}', "prompt"),
                 ("/detokenize", '{"tokens": [1], "model": "\\udcff"}', "model")]:
             r = c.post(path, content=raw.encode(), headers={"content-type": "application/json"})

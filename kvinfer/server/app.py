@@ -20,11 +20,13 @@ from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
+                                             chat_request, response_events)
 from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
-from kvinfer.server.responses import ChatReply, CompletionReply, TokenText, respond
+from kvinfer.server.responses import ChatReply, CompletionReply, SSEResponse, TokenText, collect, respond
 from kvinfer.server.tools import ToolContext, response_format_spec
 
 log = logging.getLogger("kvinfer.server")
@@ -109,6 +111,7 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.engine.model_config.vocab_size
+        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id and GET
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -357,6 +360,52 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 
+async def create_response(body: ResponsesRequest, request: Request):
+    srv = _server(request)
+    srv.check_model(body.model)
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        prev = srv.responses.get(body.previous_response_id)
+        if prev is None:
+            raise APIError(400, f"previous response {body.previous_response_id!r} not found (this server keeps "
+                                f"the newest {MAX_STORED} stored responses, in memory)",
+                           param="previous_response_id", code="not_found")
+        history = prev[1]
+    ids, params, k, tools = _chat_input(srv, chat_request(body, history))
+    builder = ResponseBuilder(body, srv.model_name, history)
+    stream = await srv.admit([ids], params, "resp")
+    reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
+    store = srv.responses if body.store is not False else None
+    if body.stream:
+        return SSEResponse(response_events(builder, reply, srv.metrics, store), stream)
+    finals = await collect(stream, request, srv.metrics)
+    if finals is None:
+        return Response(status_code=499)
+    out = builder.from_chat(reply.body(finals))
+    if store is not None:
+        store.put(out, builder.conversation(out["output"]))
+    return out
+
+
+def _stored(srv: ServerState, response_id: str) -> tuple[dict, list[dict]]:
+    entry = srv.responses.get(response_id)
+    if entry is None:
+        raise APIError(404, f"response {response_id!r} not found (this server keeps the newest {MAX_STORED} "
+                            "stored responses, in memory)", param="response_id", code="not_found")
+    return entry
+
+
+async def get_response(response_id: str, request: Request):
+    return _stored(_server(request), response_id)[0]
+
+
+async def delete_response(response_id: str, request: Request):
+    srv = _server(request)
+    _stored(srv, response_id)
+    srv.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 # (method, path, route, documents the error shape) in matching order
 _ROUTES = [
     ("GET", "/health", health, False),
@@ -368,6 +417,9 @@ _ROUTES = [
     ("POST", "/detokenize", detokenize, True),
     ("POST", "/v1/completions", completions, True),
     ("POST", "/v1/chat/completions", chat_completions, True),
+    ("POST", "/v1/responses", create_response, True),
+    ("GET", "/v1/responses/{response_id}", get_response, True),
+    ("DELETE", "/v1/responses/{response_id}", delete_response, True),
 ]
 
 
@@ -437,7 +489,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
     """The OpenAI-compatible app; the engine must be started (its thread steps the model)."""
     model_name = model_name or default_model_name(engine.config)
     app = FastAPI(title="kvinfer", version=_version(),
-                  description="OpenAI-compatible completions and chat completions served by kvinfer.")
+                  description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
     app.state.server = ServerState(engine, model_name)
     for exc, handler in _HANDLERS:
         app.add_exception_handler(exc, handler)

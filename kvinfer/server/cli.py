@@ -34,10 +34,10 @@ def register(subparsers) -> None:
     from kvinfer.cli import add_engine_args
 
     s = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
-        description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions (streaming with "
-                    "stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize and /detokenize; "
-                    "a web page at / (chat and the KV cache live).")
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, responses, metrics)",
+        description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions and /v1/responses "
+                    "(streaming with stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize "
+                    "and /detokenize; a web page at / (chat and the KV cache live).")
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)

@@ -304,7 +304,7 @@ async def respond(reply: Reply, request: Request, metrics: ServerMetrics, stream
     """Server-sent events, or the whole body once every output is final (499 if the client left first)."""
     if stream:
         return SSEResponse(_events(reply, metrics, include_usage), reply.stream)
-    finals = await _collect(reply.stream, request, metrics)
+    finals = await collect(reply.stream, request, metrics)
     if finals is None:
         return Response(status_code=499)
     return reply.body(finals)
@@ -354,7 +354,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(stream: RequestStream, request: Request, metrics: ServerMetrics) -> Optional[dict]:
+async def collect(stream: RequestStream, request: Request, metrics: ServerMetrics) -> Optional[dict]:
     """Final outputs by request id, or None when the client went away first (its requests are aborted)."""
     tracker = LatencyTracker(metrics)
 
