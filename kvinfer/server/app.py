@@ -21,7 +21,7 @@ from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
-                                             chat_request, response_events)
+                                             chat_request, response_events, responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
@@ -371,9 +371,12 @@ async def create_response(body: ResponsesRequest, request: Request):
                                 f"the newest {MAX_STORED} stored responses, in memory)",
                            param="previous_response_id", code="not_found")
         history = prev[1]
-    ids, params, k, tools = _chat_input(srv, chat_request(body, history))
+    try:
+        ids, params, k, tools = _chat_input(srv, chat_request(body, history))
+        stream = await srv.admit([ids], params, "resp")
+    except (APIError, KvinferError) as e:
+        raise responses_error(e) from None
     builder = ResponseBuilder(body, srv.model_name, history)
-    stream = await srv.admit([ids], params, "resp")
     reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
     store = srv.responses if body.store is not False else None
     if body.stream:

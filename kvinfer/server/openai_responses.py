@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -274,6 +275,23 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ()))
         raise APIError(400, f"input: {where}: {first.get('msg', 'invalid')}", param="input") from None
+
+
+# The chat route's parameter names for what a Responses request calls otherwise.
+_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "prompt": "input",
+           "messages": "input", "response_format": "text.format"}
+
+
+def responses_error(e: Exception) -> APIError:
+    """An error of the chat machinery, naming the Responses request's own parameter."""
+    err = from_engine_error(e) if isinstance(e, KvinferError) else e
+    param = err.param
+    if param is not None:
+        head = param.split("[", 1)[0].split(".", 1)[0]
+        if head in _PARAMS:
+            param = _PARAMS[head] + param[len(head):] if head != "messages" else "input"
+    message = re.sub(r"\b(max_tokens|max_completion_tokens)\b", "max_output_tokens", err.message)
+    return APIError(err.status, message.replace("response_format", "text.format"), err.type, param, err.code)
 
 
 # ---- stored responses ----------------------------------------------------------------------------------
