@@ -272,3 +272,35 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(srv):
             if "response.output_text.delta" in line:
                 break  # leave after the first token
     assert _kv_free(srv)
+
+
+def test_events_for_text_then_whole_calls():
+    """The event mapping alone: text, then two calls sent whole at the end (how `auto` tool output streams)."""
+    from kvinfer.server.openai_responses import ResponseBuilder, ResponsesRequest, _EventStream
+
+    b = ResponseBuilder(ResponsesRequest.model_validate({"input": "x", "tools": TOOLS}), "m", [])
+    es = _EventStream(b)
+    calls = [{"index": i, "id": f"call_{i}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for i, c in enumerate(["Oslo", "Rome"])]
+    raw = es.choice({"index": 0, "delta": {"content": "Let me check."}, "logprobs": None, "finish_reason": None})
+    raw += es.choice({"index": 0, "delta": {"content": " Both.", "tool_calls": calls}, "logprobs": None,
+                      "finish_reason": None})
+    raw += es.choice({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"})
+    events = [json.loads(r.split("data: ", 1)[1]) for r in raw]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert [(i["type"], i.get("call_id")) for i in es.output] == [("message", None), ("function_call", "call_0"),
+                                                                 ("function_call", "call_1")]
+    assert es.output[0]["content"][0]["text"] == "Let me check. Both."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert b.conversation(es.output)[-1] == {"role": "assistant", "content": "Let me check. Both.",
+                                             "tool_calls": [{k: v for k, v in c.items() if k != "index"}
+                                                            for c in calls]}
