@@ -9,12 +9,13 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
-from kvinfer.server.protocol import _CONFIG, APIError, ChatCompletionRequest, MAX_TOOLS, _Body, from_engine_error
+from kvinfer.server.protocol import (_CONFIG, APIError, ChatCompletionRequest, FunctionDefinition, MAX_TOOLS, _Body,
+                                     from_engine_error)
 from kvinfer.server.responses import ChatReply, _sse, usage
 from kvinfer.sampling_params import MAX_LOGPROBS
 
@@ -89,13 +90,10 @@ _ITEM_MODELS = {"message": MessageItem, "function_call": FunctionCallItem,
                 "function_call_output": FunctionCallOutputItem}
 
 
-class FunctionTool(BaseModel):
-    model_config = _CONFIG
+class FunctionTool(FunctionDefinition):
+    """A function tool, flat (chat completions nest the same fields under `function`)."""
+
     type: Literal["function"]
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema of the arguments object")
-    strict: Optional[bool] = None
 
 
 class NamedFunctionChoice(BaseModel):
@@ -116,6 +114,10 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = _CONFIG
     format: Optional[TextFormat] = None
+
+
+_UNSUPPORTED_FIELDS = {"background": "background responses are not supported (must be false)",
+                       "reasoning": "this model does not reason (leave reasoning out)"}
 
 
 class ResponsesRequest(_Body):
@@ -197,18 +199,11 @@ class ResponsesRequest(_Body):
                                       "window (got '{v}')", {"v": str(v)})
         return v
 
-    @field_validator("background")
+    @field_validator("background", "reasoning")
     @classmethod
-    def _foreground(cls, v):
+    def _unsupported(cls, v, info: ValidationInfo):
         if v:
-            raise PydanticCustomError("unsupported", "background responses are not supported (must be false)")
-        return v
-
-    @field_validator("reasoning")
-    @classmethod
-    def _no_reasoning(cls, v):
-        if v:
-            raise PydanticCustomError("unsupported", "this model does not reason (leave reasoning out)")
+            raise PydanticCustomError("unsupported", _UNSUPPORTED_FIELDS[info.field_name])
         return v
 
     @field_validator("metadata")
