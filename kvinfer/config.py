@@ -5,7 +5,7 @@ import dataclasses
 import json
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 

@@ -325,8 +325,6 @@ def cmd_decode(args) -> int:
 def cmd_throughput(args) -> int:
     import resource
 
-    import torch
-
     from kvinfer.bench.workload import percentile, throughput_workload
     from kvinfer.cli import engine_config_from_args
     from kvinfer.engine.llm import LLM

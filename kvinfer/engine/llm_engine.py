@@ -17,7 +17,7 @@ from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
-from kvinfer.request import Request, RequestStatus
+from kvinfer.request import Request
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.scheduler import Scheduler, SchedulerConfig

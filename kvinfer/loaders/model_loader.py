@@ -67,7 +67,7 @@ def resolve_source(model: Optional[str], load_format: str) -> ModelSource:
         return ModelSource("dummy", p, load_hf_config(cfg_path))
     p = Path(model)
     if not p.exists():
-        hint = f" (a preset name needs --load-format dummy)" if model in PRESETS else ""
+        hint = " (a preset name needs --load-format dummy)" if model in PRESETS else ""
         raise ModelLoadError(f"model path {model!r} does not exist{hint}")
     if p.is_file():
         if load_format not in ("auto", "gguf"):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
 from kvinfer import kernels
