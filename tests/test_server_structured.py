@@ -248,7 +248,7 @@ def test_streamed_forced_call_sends_arguments_as_they_come(srv, client, tool_cho
 
 
 def test_forced_required_stream_deltas_rebuild_every_call():
-    from kvinfer.server.tools import ToolStream, partial_calls
+    from kvinfer.server.tools import ToolStream, parse_forced, partial_calls
 
     text = '[{"name": "get_weather", "arguments": {"city": "O\\"slo", "n": [1, {"a": "}"}]}}, ' \
            '{"name":"get_time","arguments":{}}]'
@@ -266,6 +266,11 @@ def test_forced_required_stream_deltas_rebuild_every_call():
     assert ts.end() == ("", [], True)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
         [(c["name"], c["arguments"]) for c in json.loads(text)]
+    # The whole reply's calls carry the same argument strings as the streamed deltas joined (as generated).
+    assert [(c.name, c.arguments) for c in parse_forced(text, None)] == \
+        [(c["name"], c["arguments"]) for c in calls.values()]
+    assert [c.arguments for c in parse_forced('{"city": "Oslo",  "n": 1}', "get_weather")] == \
+        ['{"city": "Oslo",  "n": 1}']
 
 
 def test_streamed_json_schema_and_length(srv, client):

@@ -104,9 +104,9 @@ def parse_forced(text: str, name: Optional[str]) -> list[ToolCall]:
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         return []
     raw = partial_calls(text)  # the same objects in the same order, with each one's arguments text
-    if len(raw) != len(value):
-        return []
-    return [ToolCall(c["name"], args) for c, (_, args) in zip(value, raw)
+    args = ([a for _, a in raw] if len(raw) == len(value) else
+            [json.dumps(c.get("arguments"), ensure_ascii=False) for c in value])
+    return [ToolCall(c["name"], a) for c, a in zip(value, args)
             if isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
 
 
