@@ -74,6 +74,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                    help="dummy: random weights for any config, to benchmark big shapes (default: auto)")
     g.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model's own)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (its file, or the text itself) instead of the model's own")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype (auto: float32 on CPU, the dtype of the quantised "
                         "kernels; bfloat16 on CUDA)")
@@ -142,7 +144,7 @@ def engine_config_from_args(args):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         num_scheduler_steps=args.num_scheduler_steps,
-                        num_threads=args.threads, tokenizer=args.tokenizer,
+                        num_threads=args.threads, tokenizer=args.tokenizer, chat_template=args.chat_template,
                         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr, master_port=args.master_port,
                         speculative=args.speculative or ("draft" if args.speculative_model else None),

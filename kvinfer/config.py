@@ -420,6 +420,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: Optional[int] = None
     tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None  # a Jinja file's path or the template itself, instead of the model's own
     # Tensor parallelism: ranks over `nnodes` machines (tensor_parallel_size / nnodes each); node 0 runs the engine.
     tensor_parallel_size: int = 1
     nnodes: int = 1

@@ -24,6 +24,7 @@ ENGINE = {
     "--model": ["/no/such/model"],
     "--load-format": ["pickle"],
     "--tokenizer": ["/no/such/tokenizer"],
+    "--chat-template": ["no-such-template.jinja", "{% if %}"],
     "--dtype": ["int3"],
     "--quantization": ["awq"],
     "--device": ["tpu"],

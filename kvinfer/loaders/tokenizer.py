@@ -143,6 +143,23 @@ class _TemplateRaised(Exception):
     """A template called raise_exception(): the messages break a rule of the model's chat format."""
 
 
+def read_chat_template(value: str) -> tuple[str, str]:
+    """(template text, where it came from) for vLLM's --chat-template: a file's path, or the template itself
+    (text with a Jinja brace or a newline)."""
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a name too long or with a NUL byte: not a path
+        is_file = False
+    if is_file:
+        try:
+            return Path(value).read_text(encoding="utf-8"), value
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"--chat-template: cannot read the file {value!r}: {e}") from None
+    if any(c in value for c in "{}\n"):
+        return value, "--chat-template"
+    raise ModelLoadError(f"--chat-template {value!r} is neither a file nor a template (Jinja text)")
+
+
 def _compile_template(source: str, where: str):
     # jinja2 is imported lazily: encode/decode callers should not pay for it.
     import jinja2
@@ -210,23 +227,25 @@ class Tokenizer:
         self._add_bos = bool(add_bos) and self._bos_id is not None
         eos_id = self.token_to_id(eos_token) if eos_token is not None else None
         self._add_eos = bool(add_eos) and eos_id is not None
+        self._base_eos = tuple(dict.fromkeys(([eos_id] if eos_id is not None else [])
+                                             + [int(i) for i in extra_eos_ids]))
+        self._set_template(chat_template, source)
+
+    def _set_template(self, chat_template: Optional[str], source: str) -> None:
+        """The chat template (None: ChatML, has_chat_template False) and what follows from it: the end-of-turn
+        tokens it uses stop generation too."""
         self.has_chat_template = chat_template is not None
         self.chat_template = chat_template if chat_template is not None else CHATML_TEMPLATE
         self._template = _compile_template(self.chat_template, source)
-
-        eos: list[int] = []
-        for i in ([eos_id] if eos_id is not None else []) + [int(i) for i in extra_eos_ids]:
-            if i not in eos:
-                eos.append(i)
-        for i in self._end_of_turn_ids():
-            if i not in eos:
-                eos.append(i)
-        self._eos_ids = tuple(eos)
-
-        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self._eos_ids = tuple(dict.fromkeys(list(self._base_eos) + self._end_of_turn_ids()))
+        special = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
         special.update(i for i in (self.token_to_id(t) for t in self._special_tokens.values()) if i is not None)
         special.update(self._eos_ids)
         self._special_ids = tuple(sorted(special))
+
+    def set_chat_template(self, template: str, source: str = "--chat-template") -> None:
+        """Use `template` (Jinja text) instead of the model's own (vLLM's --chat-template)."""
+        self._set_template(template, source)
 
     def _end_of_turn_ids(self) -> list[int]:
         found = [t for t in _END_OF_TURN_TOKENS if t in self.chat_template]

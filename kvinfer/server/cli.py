@@ -38,6 +38,8 @@ def register(subparsers) -> None:
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions and /v1/responses "
                     "(streaming with stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize "
                     "and /detokenize; a web page at / (chat and the KV cache live).")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -75,6 +77,10 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValidationError("port", args.port, "must be in [0, 65535]")
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValidationError("model", args.model_tag, f"differs from --model {args.model!r} (give one of them)")
+        args.model = args.model_tag
     config = engine_config_from_args(args)
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails at once, in one line
 
