@@ -37,7 +37,8 @@ def api_schema(fuzz_server):
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
-              ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]
+              ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
+              ("DELETE", "/v1/responses/{response_id}")]
 HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 

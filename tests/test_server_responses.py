@@ -304,3 +304,31 @@ def test_events_for_text_then_whole_calls():
     assert b.conversation(es.output)[-1] == {"role": "assistant", "content": "Let me check. Both.",
                                              "tool_calls": [{k: v for k, v in c.items() if k != "index"}
                                                             for c in calls]}
+
+
+def test_input_items_list_the_request_input(client, srv):
+    items = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "3 C, snow"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Snowy."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "And "}, {"type": "input_text",
+                                                                                   "text": "tomorrow?"}]}]
+    r = client.responses.create(model=srv.model_name, input=items, tools=TOOLS, max_output_tokens=2)
+    newest_first = list(client.responses.input_items.list(r.id))  # the SDK pages with limit 20, newest first
+    assert [i.type for i in newest_first] == ["message", "message", "function_call_output", "function_call",
+                                              "message", "message"]
+    oldest_first = list(client.responses.input_items.list(r.id, order="asc", limit=2))  # three pages of two
+    assert [i.id for i in oldest_first] == [i.id for i in newest_first][::-1]
+    assert oldest_first[0].role == "system" and oldest_first[0].content[0].text == "Be brief."
+    assert oldest_first[2].call_id == "call_1" and oldest_first[2].arguments == '{"city": "Oslo"}'
+    assert oldest_first[3].output == "3 C, snow" and oldest_first[4].content[0].type == "output_text"
+    assert oldest_first[5].content[0].text == "And tomorrow?"
+    page = httpx.get(srv.url + f"/v1/responses/{r.id}/input_items",
+                     params={"order": "asc", "after": oldest_first[1].id, "before": oldest_first[4].id}).json()
+    assert [i["id"] for i in page["data"]] == [i.id for i in oldest_first[2:4]] and page["has_more"] is False
+    assert [i.type for i in client.responses.input_items.list(
+        client.responses.create(model=srv.model_name, input="Hi", max_output_tokens=1).id)] == ["message"]
+    for params, param in [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_none"}, "after")]:
+        assert_error_shape(httpx.get(srv.url + f"/v1/responses/{r.id}/input_items", params=params), 400, param)
+    assert_error_shape(httpx.get(srv.url + "/v1/responses/resp_none/input_items"), 404, "response_id")

@@ -7,9 +7,9 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +21,8 @@ from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
-                                             chat_request, response_events, responses_error)
+                                             chat_request, input_items, item_page, response_events,
+                                             responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
@@ -386,7 +387,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         return Response(status_code=499)
     out = builder.from_chat(reply.body(finals))
     if store is not None:
-        store.put(out, builder.conversation(out["output"]))
+        store.put(out, builder.conversation(out["output"]), input_items(body))
     return out
 
 
@@ -400,6 +401,14 @@ def _stored(srv: ServerState, response_id: str) -> tuple[dict, list[dict]]:
 
 async def get_response(response_id: str, request: Request):
     return _stored(_server(request), response_id)[0]
+
+
+async def list_input_items(response_id: str, request: Request, after: Optional[str] = None,
+                           before: Optional[str] = None, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc"):
+    srv = _server(request)
+    _stored(srv, response_id)
+    return item_page(srv.responses.inputs(response_id), after, before, limit, order)
 
 
 async def delete_response(response_id: str, request: Request):
@@ -422,6 +431,7 @@ _ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions, True),
     ("POST", "/v1/responses", create_response, True),
     ("GET", "/v1/responses/{response_id}", get_response, True),
+    ("GET", "/v1/responses/{response_id}/input_items", list_input_items, True),
     ("DELETE", "/v1/responses/{response_id}", delete_response, True),
 ]
 
@@ -439,6 +449,8 @@ async def _validation_error(request: Request, e: RequestValidationError):
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = [x for x in first.get("loc", ()) if x != "body"]
+    if loc[:1] in (["query"], ["path"]):  # a query parameter is named as the body's fields are
+        loc = loc[1:]
     param = None
     if loc and isinstance(loc[0], str):
         param = loc[0]

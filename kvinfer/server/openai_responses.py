@@ -240,6 +240,42 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     return out
 
 
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists (each with an id)."""
+    raw = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    out = []
+    for item in raw:
+        if isinstance(item, MessageItem):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            part = {"type": kind, "text": item.text(), **({"annotations": []} if kind == "output_text" else {})}
+            out.append({"type": "message", "id": f"msg_{_hex()}", "role": item.role, "status": "completed",
+                        "content": [part]})
+        elif isinstance(item, FunctionCallItem):
+            out.append({"type": "function_call", "id": item.id or f"fc_{_hex()}", "call_id": item.call_id,
+                        "name": item.name, "arguments": item.arguments, "status": "completed"})
+        else:
+            out.append({"type": "function_call_output", "id": f"fco_{_hex()}", "call_id": item.call_id,
+                        "output": item.text(), "status": "completed"})
+    return out
+
+
+def item_page(items: list[dict], after: Optional[str], before: Optional[str], limit: int, order: str) -> dict:
+    """One page of a response's input items, OpenAI's cursor list: `after` / `before` are item ids."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [i["id"] for i in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise APIError(400, f"{name}: no item {cursor!r} in this response's input", param=name)
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    page = ordered[start:min(end, start + limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < end}
+
+
 def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
     """The chat completion request that computes this response (its prompt, sampling, tools and format)."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
@@ -295,13 +331,14 @@ class ResponseStore:
 
     def __init__(self, max_items: int = MAX_STORED, max_chars: int = MAX_STORED_CHARS):
         self.max_items, self.max_chars = max_items, max_chars
-        self.items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.items: OrderedDict[str, tuple[dict, list[dict], int, list[dict]]] = OrderedDict()
         self.chars = 0
 
-    def put(self, body: dict, conversation: list[dict]) -> None:
+    def put(self, body: dict, conversation: list[dict], inputs: Optional[list[dict]] = None) -> None:
+        """Keep a response: its body, its whole conversation, and the items of its own input."""
         size = sum(len(m.get("content") or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
                    for m in conversation)
-        self.items[body["id"]] = (body, conversation, size)
+        self.items[body["id"]] = (body, conversation, size, inputs or [])
         self.chars += size
         while self.items and (len(self.items) > self.max_items or self.chars > self.max_chars):
             self.chars -= self.items.popitem(last=False)[1][2]
@@ -309,6 +346,10 @@ class ResponseStore:
     def get(self, response_id: str) -> Optional[tuple[dict, list[dict]]]:
         entry = self.items.get(response_id)
         return None if entry is None else (entry[0], entry[1])
+
+    def inputs(self, response_id: str) -> Optional[list[dict]]:
+        entry = self.items.get(response_id)
+        return None if entry is None else entry[3]
 
     def delete(self, response_id: str) -> bool:
         entry = self.items.pop(response_id, None)
@@ -514,7 +555,7 @@ async def response_events(builder: ResponseBuilder, reply: ChatReply, metrics: S
                 final = out
         body = builder.response(es.status, es.output, builder.usage(usage([final])))
         if store is not None:
-            store.put(body, builder.conversation(es.output))
+            store.put(body, builder.conversation(es.output), input_items(builder.body))
         yield es.event("response.completed" if es.status == "completed" else "response.incomplete", response=body)
     except Exception as e:  # the engine died mid-stream: an error event, then the stream ends
         log.warning("stream %s failed: %r", builder.id, e)
