@@ -101,6 +101,20 @@ def test_chat_answer_mentions_paris(builtin_llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_reset_prefix_cache_and_llm_engine(builtin_llm):
+    llm = builtin_llm
+    assert llm.llm_engine is llm.engine
+    prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens: " + "one two three four " * 8
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate(prompt, sp)[0]
+    again = llm.generate(prompt, sp)[0]
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate(prompt, sp)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_engine_clean(llm.engine)
+
+
 def test_offline_api_takes_vllms_forms(builtin_llm):
     """vLLM's LLM.generate / LLM.chat call forms: prompt dicts, the sampling_params keyword, a batch of
     conversations, a continued final message; each the same tokens as the plain form."""

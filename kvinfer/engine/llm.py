@@ -78,6 +78,16 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefixes cached in free KV blocks (blocks a request holds keep theirs), as vLLM's does."""
+        self.engine.kv_manager.reset_prefix_cache()
+        return True
+
     def get_tokenizer(self):
         """The engine's tokenizer (None for a model loaded without one), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
