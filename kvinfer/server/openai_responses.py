@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}) over the chat machinery."""
+"""OpenAI's Responses API (/v1/responses, and the stored responses' GET, DELETE and input_items) over chat."""
 from __future__ import annotations
 
 import logging
