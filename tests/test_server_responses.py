@@ -214,7 +214,7 @@ def test_store_keeps_the_newest_within_its_bounds():
     conv = lambda n: [{"role": "user", "content": "x" * n}]  # noqa: E731
     for i in range(4):
         store.put({"id": f"r{i}"}, conv(10))
-    assert store.get("r0") is None and [store.get(f"r{i}")[0]["id"] for i in (1, 2, 3)] == ["r1", "r2", "r3"]
+    assert store.get("r0") is None and [store.get(f"r{i}").body["id"] for i in (1, 2, 3)] == ["r1", "r2", "r3"]
     store.put({"id": "big"}, conv(95))  # over the character bound with any other: only it stays
     assert [k for k in store.items] == ["big"] and store.chars == 95
     assert store.delete("big") and not store.delete("big") and store.chars == 0

@@ -33,8 +33,8 @@
 #define MIN_BYTES_PER_THREAD (16 * 1024)
 /* Weight bytes ahead of the block being read that a first pass over a slab asks the cache for. The hardware
  * prefetchers alone leave a one-row decode about 4% short (all of the built-in model's matmuls, 2 threads, AMD
- * EPYC Zen 3: 1.03-1.10x faster with it over 8 interleaved runs, 1.02-1.05x at 5 and 16 rows; 512 and 2048 bytes
- * did about as well). Later row tiles find the slab in L2 and skip it. */
+ * EPYC Zen 3: 1.02-1.10x faster with it over 8 interleaved runs, 1.00-1.05x at 5 and 16 rows, within noise at 64
+ * and 128; 512 and 2048 bytes did about as well). Later row tiles find the slab in L2 and skip it. */
 #define PREFETCH_BYTES 1024
 
 static int block_bytes(int qt) {

@@ -21,7 +21,7 @@ from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
-                                             chat_request, input_items, item_page, response_events,
+                                             StoredResponse, chat_request, item_page, response_events,
                                              responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
@@ -371,7 +371,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             raise APIError(400, f"previous response {body.previous_response_id!r} not found (this server keeps "
                                 f"the newest {MAX_STORED} stored responses, in memory)",
                            param="previous_response_id", code="not_found")
-        history = prev[1]
+        history = prev.conversation
     try:
         ids, params, k, tools = _chat_input(srv, chat_request(body, history))
         stream = await srv.admit([ids], params, "resp")
@@ -386,35 +386,35 @@ async def create_response(body: ResponsesRequest, request: Request):
     if finals is None:
         return Response(status_code=499)
     out = builder.from_chat(reply.body(finals))
-    if store is not None:
-        store.put(out, builder.conversation(out["output"]), input_items(body))
+    builder.keep(store, out)
     return out
 
 
-def _stored(srv: ServerState, response_id: str) -> tuple[dict, list[dict]]:
+def _not_stored(response_id: str) -> APIError:
+    return APIError(404, f"response {response_id!r} not found (this server keeps the newest {MAX_STORED} stored "
+                         "responses, in memory)", param="response_id", code="not_found")
+
+
+def _stored(srv: ServerState, response_id: str) -> StoredResponse:
     entry = srv.responses.get(response_id)
     if entry is None:
-        raise APIError(404, f"response {response_id!r} not found (this server keeps the newest {MAX_STORED} "
-                            "stored responses, in memory)", param="response_id", code="not_found")
+        raise _not_stored(response_id)
     return entry
 
 
 async def get_response(response_id: str, request: Request):
-    return _stored(_server(request), response_id)[0]
+    return _stored(_server(request), response_id).body
 
 
 async def list_input_items(response_id: str, request: Request, after: Optional[str] = None,
                            before: Optional[str] = None, limit: int = Query(20, ge=1, le=100),
                            order: Literal["asc", "desc"] = "desc"):
-    srv = _server(request)
-    _stored(srv, response_id)
-    return item_page(srv.responses.inputs(response_id), after, before, limit, order)
+    return item_page(_stored(_server(request), response_id).inputs, after, before, limit, order)
 
 
 async def delete_response(response_id: str, request: Request):
-    srv = _server(request)
-    _stored(srv, response_id)
-    srv.responses.delete(response_id)
+    if not _server(request).responses.delete(response_id):
+        raise _not_stored(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

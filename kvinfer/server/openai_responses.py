@@ -6,6 +6,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 import pydantic
@@ -16,7 +17,7 @@ from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import (_CONFIG, APIError, ChatCompletionRequest, FunctionDefinition, MAX_TOOLS, _Body,
                                      from_engine_error)
-from kvinfer.server.responses import ChatReply, _sse, usage
+from kvinfer.server.responses import ChatReply, sse, usage
 from kvinfer.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger("kvinfer.server")
@@ -326,35 +327,37 @@ def responses_error(e: Exception) -> APIError:
 
 
 # ---- stored responses ----------------------------------------------------------------------------------
+@dataclass
+class StoredResponse:
+    body: dict  # the response as it was returned
+    conversation: list[dict]  # chat messages up to and including its answer (for previous_response_id)
+    inputs: list[dict]  # the items of its own input (GET .../input_items)
+    chars: int  # the text it holds, counted against the store's bound
+
+
 class ResponseStore:
-    """The newest responses in memory: each one's body and its whole conversation (for previous_response_id)."""
+    """The newest responses in memory, within a count and a text bound."""
 
     def __init__(self, max_items: int = MAX_STORED, max_chars: int = MAX_STORED_CHARS):
         self.max_items, self.max_chars = max_items, max_chars
-        self.items: OrderedDict[str, tuple[dict, list[dict], int, list[dict]]] = OrderedDict()
+        self.items: OrderedDict[str, StoredResponse] = OrderedDict()
         self.chars = 0
 
     def put(self, body: dict, conversation: list[dict], inputs: Optional[list[dict]] = None) -> None:
-        """Keep a response: its body, its whole conversation, and the items of its own input."""
         size = sum(len(m.get("content") or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
                    for m in conversation)
-        self.items[body["id"]] = (body, conversation, size, inputs or [])
+        self.items[body["id"]] = StoredResponse(body, conversation, inputs or [], size)
         self.chars += size
         while self.items and (len(self.items) > self.max_items or self.chars > self.max_chars):
-            self.chars -= self.items.popitem(last=False)[1][2]
+            self.chars -= self.items.popitem(last=False)[1].chars
 
-    def get(self, response_id: str) -> Optional[tuple[dict, list[dict]]]:
-        entry = self.items.get(response_id)
-        return None if entry is None else (entry[0], entry[1])
-
-    def inputs(self, response_id: str) -> Optional[list[dict]]:
-        entry = self.items.get(response_id)
-        return None if entry is None else entry[3]
+    def get(self, response_id: str) -> Optional[StoredResponse]:
+        return self.items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         entry = self.items.pop(response_id, None)
         if entry is not None:
-            self.chars -= entry[2]
+            self.chars -= entry.chars
         return entry is not None
 
 
@@ -408,6 +411,11 @@ class ResponseBuilder:
     def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
         return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
                 "status": status}
+
+    def keep(self, store: Optional[ResponseStore], response: dict) -> None:
+        """Store the finished response (unless the request said store: false)."""
+        if store is not None:
+            store.put(response, self.conversation(response["output"]), input_items(self.body))
 
     def conversation(self, output: list[dict]) -> list[dict]:
         """The stored conversation: earlier turns, this input (instructions are not carried over), the answer."""
@@ -463,7 +471,7 @@ class _EventStream:
     def event(self, kind: str, **fields) -> str:
         e = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\n" + _sse(e)
+        return sse(e, kind)
 
     def _next_index(self) -> int:
         return len(self.output) + (self.msg is not None) + len(self.calls)
@@ -554,8 +562,7 @@ async def response_events(builder: ResponseBuilder, reply: ChatReply, metrics: S
             if out.finished:
                 final = out
         body = builder.response(es.status, es.output, builder.usage(usage([final])))
-        if store is not None:
-            store.put(body, builder.conversation(es.output), input_items(builder.body))
+        builder.keep(store, body)
         yield es.event("response.completed" if es.status == "completed" else "response.incomplete", response=body)
     except Exception as e:  # the engine died mid-stream: an error event, then the stream ends
         log.warning("stream %s failed: %r", builder.id, e)

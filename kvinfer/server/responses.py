@@ -310,8 +310,10 @@ async def respond(reply: Reply, request: Request, metrics: ServerMetrics, stream
     return reply.body(finals)
 
 
-def _sse(obj: dict) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+def sse(obj: dict, event: Optional[str] = None) -> str:
+    """One server-sent event: its data line (JSON), after an `event:` line when it has a name."""
+    head = f"event: {event}\n" if event else ""
+    return head + "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 _DONE = "data: [DONE]\n\n"
@@ -327,21 +329,21 @@ async def _events(reply: Reply, metrics: ServerMetrics, include_usage: bool) -> 
     finished = []  # RequestOutputs of finished prompts, for the usage chunk
     try:
         for choice in reply.opening():
-            yield _sse({**head, "choices": [choice]})
+            yield sse({**head, "choices": [choice]})
         async for out in stream:
             tracker.observe(out)
             for choice in reply.chunks(out):
-                yield _sse({**head, "choices": [choice]})
+                yield sse({**head, "choices": [choice]})
             if out.finished:
                 finished.append(out)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(finished)})
+            yield sse({**head, "choices": [], "usage": usage(finished)})
         yield _DONE
     except Exception as e:  # the engine died mid-stream: tell the client in-band, then end the stream
         log.warning("stream %s failed: %r", reply.id, e)
         err = from_engine_error(e) if isinstance(e, KvinferError) else APIError(500, "internal error",
                                                                                  "server_error")
-        yield _sse(error_body(err.message, err.type, err.param, err.code))
+        yield sse(error_body(err.message, err.type, err.param, err.code))
         yield _DONE
     finally:
         stream.abort()
