@@ -28,6 +28,7 @@
 
 #define QK 32
 #define MT_MAX 8                     /* x rows per tile of quantised weights */
+#define NG 8                         /* output columns per group: one 8-lane vector of results */
 #define MF_MAX 4                     /* x rows per tile of float weights (2 accumulators each in registers) */
 #define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
 #define MIN_BYTES_PER_THREAD (16 * 1024)
@@ -74,57 +75,59 @@ static inline q32 load_q(const uint8_t *blk, int qt) {
     return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
 }
 
-/* Weight rows n0..n1 against MT quantised x rows. A row's arithmetic, the same whatever MT: for each block b in
- * order, acc = fma(float(the exact int32 lanes of its dot product), d_b * dx_b, acc) into one 8-lane
- * accumulator; Q4_1 adds acc = fma(m[8], sum(x_block)[8], acc) after each group of 8 blocks and sums the
- * nb % 8 leftover blocks' m * sum(x_block) into a scalar t in block order; y = lane sum of acc (fixed tree) + t.
- * One accumulator per row keeps a tile of up to 8 rows in registers, each block unpacked once for all of
- * them, so a verification of k + 1 <= 8 rows is one pass over the weights. (Two accumulators per row, even
- * and odd blocks, would halve a one-row tile's dependency chain but do not fit 8 rows in 16 registers; the
- * one-row tile measured as fast either way: it is bound by unpacking and the dot products.) */
+/* d (lanes) and Q4_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its last). */
+static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, vf *m) {
+    float dv[NG], mv[NG];
+    for (int u = 0; u < NG; u++) dv[u] = kvq_half(kvq_rd16(rows[u] + off)), mv[u] = kvq_half(kvq_rd16(rows[u] + off + 2));
+    *d = vf_load(dv), *m = vf_load(mv);
+}
+
+/* Weight rows n0..n1 against MT quantised x rows, 8 output columns (one vector) at a time. The arithmetic of
+ * y[r, n], the same whatever MT, the group n falls in, the thread or the level (the AMX route below included):
+ *   acc = 0; for each block b in order:
+ *     acc = fma(float(D_b), d_b * dx_b, acc)     D_b: the exact int32 dot product of the block's 32 quants with
+ *                                                the row's 32 int16-rounded activations
+ *     acc = fma(m_b, sx_b, acc)                  Q4_1 only: its minimum times the exact float sum of the block
+ *   y = acc.
+ * One int32 per block (not a lane split of it) is what a tile multiply unit hands back, so every route computes
+ * D_b its own way: here two vpmaddwd (or VNNI) per block and row, eight outputs' partial sums reduced together. */
 static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, const float *dx, const float *sx,
                                                          int64_t nb, const uint8_t *w, int64_t ldw, int qt,
                                                          float *y, int64_t ldy, int64_t n0, int64_t n1,
                                                          int prefetch, const int MT) {
     const int bb = block_bytes(qt);
-    const int64_t nb8 = nb & ~(int64_t)7;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wrow = w + n * ldw;
+    for (int64_t n = n0; n < n1; n += NG) {
+        const int g = n1 - n < NG ? (int)(n1 - n) : NG;
+        const uint8_t *rows[NG];
+        for (int u = 0; u < NG; u++) rows[u] = w + (n + (u < g ? u : g - 1)) * ldw;
         vf acc[MT_MAX];
-        float t[MT_MAX];
-        for (int r = 0; r < MT; r++) acc[r] = vf_zero(), t[r] = 0.0f;
-        for (int64_t b = 0; b < nb8; b += 8) {
-            const uint8_t *blk = wrow + b * bb;
-            if (prefetch) /* (rows are contiguous: the bytes ahead are the next rows' once this row's run out) */
-                for (int o = 0; o < 8 * bb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
+        for (int r = 0; r < MT; r++) acc[r] = vf_zero();
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t off = b * bb;
+            if (prefetch) /* the next group's rows, a group ahead (rows are contiguous) */
+                for (int u = 0; u < NG; u++) __builtin_prefetch(rows[u] + off + NG * ldw);
             vf vd, vm;
-            vf_load_half2_strided(blk, bb, &vd, &vm);
-            float sc[MT_MAX][8];
-            for (int r = 0; r < MT; r++) vf_store(sc[r], vf_mul(vd, vf_load(dx + r * nb + b)));
-            for (int u = 0; u < 8; u += 2) {
-                const q32 q0 = load_q(blk + u * bb, qt), q1 = load_q(blk + (u + 1) * bb, qt);
-                for (int r = 0; r < MT; r++) {
-                    const int16_t *xr = xq + (r * nb + b + u) * QK;
-                    acc[r] = vf_fma(vi_to_vf(q32_dot(q0, xr)), vf_set1(sc[r][u]), acc[r]);
-                    acc[r] = vf_fma(vi_to_vf(q32_dot(q1, xr + QK)), vf_set1(sc[r][u + 1]), acc[r]);
-                }
+            if (g == NG) vf_load_half2_strided(rows[0] + off, (int)ldw, &vd, &vm);
+            else load_dm_rows(rows, off, &vd, &vm);
+            vi dot[MT_MAX][NG];
+            for (int u = 0; u < NG; u++) {
+                const q32 q = load_q(rows[u] + off, qt);
+                for (int r = 0; r < MT; r++) dot[r][u] = q32_dot(q, xq + (r * nb + b) * QK);
             }
-            if (qt == QT_Q4_1)
-                for (int r = 0; r < MT; r++) acc[r] = vf_fma(vm, vf_load(sx + r * nb + b), acc[r]);
-        }
-        for (int64_t b = nb8; b < nb; b++) {
-            const uint8_t *blk = wrow + b * bb;
-            const q32 q = load_q(blk, qt);
-            const float d = kvq_half(kvq_rd16(blk));
-            for (int r = 0; r < MT; r++)
-                acc[r] = vf_fma(vi_to_vf(q32_dot(q, xq + (r * nb + b) * QK)), vf_set1(d * dx[r * nb + b]), acc[r]);
-        }
-        if (qt == QT_Q4_1)
-            for (int64_t b = nb8; b < nb; b++) {
-                const float m = kvq_half(kvq_rd16(wrow + b * bb + 2));
-                for (int r = 0; r < MT; r++) t[r] = t[r] + m * sx[r * nb + b];
+            for (int r = 0; r < MT; r++) {
+                acc[r] = vf_fma(vi_to_vf(vi_sum8(dot[r])), vf_mul(vd, vf_set1(dx[r * nb + b])), acc[r]);
+                if (qt == QT_Q4_1) acc[r] = vf_fma(vm, vf_set1(sx[r * nb + b]), acc[r]);
             }
-        for (int r = 0; r < MT; r++) y[r * ldy + n] = vf_hsum(acc[r]) + t[r];
+        }
+        for (int r = 0; r < MT; r++) {
+            if (g == NG) {
+                vf_store(y + r * ldy + n, acc[r]);
+            } else {
+                float t[NG];
+                vf_store(t, acc[r]);
+                for (int u = 0; u < g; u++) y[r * ldy + n + u] = t[u];
+            }
+        }
     }
 }
 
@@ -219,7 +222,7 @@ struct job {
 };
 
 static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
-    const int64_t nc = W_SLAB_BYTES / j->ldw > 0 ? W_SLAB_BYTES / j->ldw : 1;
+    const int64_t slab = W_SLAB_BYTES / j->ldw / NG * NG, nc = slab > 0 ? slab : NG; /* whole output groups */
     const int64_t nb = j->K / QK;
     const int mt = j->xq ? MT_MAX : MF_MAX;
     for (int64_t c0 = n0; c0 < n1; c0 += nc) {
@@ -289,7 +292,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             tid = omp_get_thread_num();
             nth = omp_get_num_threads();
 #endif
-            run_rows(&j, N * tid / nth, N * (tid + 1) / nth);
+            const int64_t groups = (N + NG - 1) / NG, e = groups * (tid + 1) / nth * NG; /* whole groups each */
+            run_rows(&j, groups * tid / nth * NG, e < N ? e : N);
         }
     }
     free(xq), free(dx), free(sx);
