@@ -297,6 +297,45 @@ def test_every_tile_height_and_tail_gives_a_row_the_same_bits(k):
             assert torch.equal(lib.matmul(x[:m], w, "Q4_1"), alone[:m]), (lib.level, m)
 
 
+AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
+    # From 16 rows the avx512 level multiplies on AMX tiles (int16 activations split into two int8 halves, one
+    # exact int32 per block): every row, whatever the tail of rows (past a multiple of 16) or of columns (past a
+    # multiple of 32), must be the bits the vector route and the portable level give it, bias included.
+    lib = kernels.library("avx512")
+    assert lib.amx, "AMX is granted here, so the avx512 level must use it"
+    generic = kernels.library("generic")
+    for n, k, m in [(37, 64, 16), (129, 576, 33), (61, 1536, 17), (5, 32, 20), (100, 608, 47)]:
+        w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
+        x, b = torch.randn(m, k), torch.randn(n)
+        tiles = lib.matmul(x, w, qtype, bias=b)
+        try:
+            lib.set_amx(False)
+            vector = lib.matmul(x, w, qtype, bias=b)
+        finally:
+            assert lib.set_amx(True)
+        assert torch.equal(tiles, vector), (n, k, m)
+        assert torch.equal(tiles, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
+        assert torch.equal(tiles[m - 1:], lib.matmul(x[m - 1:].clone(), w, qtype, bias=b))  # one row: vectors
+    assert "AMX tiles" in kernels.describe()
+
+
+def test_amx_can_be_switched_off(monkeypatch, reloaded_kernels):
+    k = reloaded_kernels
+    monkeypatch.delenv("KVINFER_ISA", raising=False)
+    monkeypatch.setenv("KVINFER_AMX", "0")
+    k._reset()
+    assert not k.active().amx and "AMX tiles" not in k.describe()
+    assert k.active().lib.kvq_amx_enable(-1) == 0  # the library's own switch (-1: ask, change nothing)
+    monkeypatch.delenv("KVINFER_AMX")
+    k._reset()
+    assert k.active().amx == (k.cpu_features()["amx_granted"] and k.best_level() == "avx512")
+
+
 def test_the_avx512_level_compiles(tmp_path):
     # It cannot run on an AVX2-only machine, but it must build (it is the level an AVX-512 machine picks).
     path = kernels.build(flags=kernels.LEVEL_FLAGS["avx512"], cache_dir=tmp_path)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 # Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
 # best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid
-# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; KVINFER_KERNELS=0 turns the kernels off (the
+# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 16
+# rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way); KVINFER_KERNELS=0 turns the kernels off (the
 # eager PyTorch path, which is not batch-invariant). Libraries are cached in $KVINFER_CACHE/kernels/<hash>/
 # ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler
 # and flags. $CC picks the compiler (default gcc).
@@ -49,7 +50,7 @@ LEVEL_FLAGS = {
     "avx2": _COMMON + _AVX2 + ["-DKVQ_LEVEL=1"],
     # 256-bit vectors on purpose: a reduction's lane count is part of its result (and wide vectors cost clock).
     "avx512": _COMMON + _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-                                 "-mprefer-vector-width=256", "-DKVQ_LEVEL=2"],
+                                 "-mamx-tile", "-mamx-int8", "-mprefer-vector-width=256", "-DKVQ_LEVEL=2"],
 }
 
 # GGML type ids, as the C side takes them: quantised (32-element blocks) and float rows.
@@ -179,6 +180,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_kv_store": ([vp, i64, i64, i64, i64, vp, i64, vp, vp, c_int], None),
         "kvq_fp8_value": ([ctypes.c_uint8], ctypes.c_float),
         "kvq_level": ([], c_int),
+        "kvq_amx_enable": ([c_int], c_int),
         "kvq_max_threads": ([], c_int),
     }
     for name, (args, res) in sig.items():
@@ -211,6 +213,13 @@ class Kernels:
         _declare(self.lib)
         if self.lib.kvq_level() != LEVELS.index(level_name):
             raise RuntimeError(f"{path} is not a {level_name} build")
+        self.amx = False
+
+    def set_amx(self, on: bool) -> bool:
+        """Quantised matmuls of 16 rows and more on AMX tiles (the avx512 level, where the OS grants the tile
+        state; the same bits as without). Returns whether they now are."""
+        self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
+        return self.amx
 
     # -- matmul ---------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
@@ -470,6 +479,8 @@ def library(level_name: str) -> Kernels:
     lib = _loaded.get(level_name)
     if lib is None:
         lib = _loaded[level_name] = Kernels(level_name, build(flags=LEVEL_FLAGS[level_name]))
+        # (the library's switch is process-wide, so it is set either way: a reload may find it on)
+        lib.set_amx(level_name == "avx512" and cpu_features()["amx_granted"] and not _off("KVINFER_AMX"))
     return lib
 
 
@@ -536,8 +547,9 @@ def describe() -> str:
     amx = "AMX granted" if f["amx_granted"] else "AMX listed but not granted by the OS" if f["amx_listed"] else "no AMX"
     if not available():
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
-    return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks "
-            f"(float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
+    tiles = ", AMX tiles from 16 rows" if _active.amx else ""
+    return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
+            f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
 
 def load(flags: Optional[list[str]] = None, cc: Optional[str] = None) -> ctypes.CDLL:

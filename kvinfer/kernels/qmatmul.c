@@ -21,6 +21,7 @@
 #include "simd.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -209,8 +210,6 @@ KVQ_TILE_F(3)
 KVQ_TILE_F(4)
 static const tile_f_fn tiles_f[MF_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, tile_f4};
 
-/* ---- driver ---- */
-
 struct job {
     const float *x, *bias;
     const uint8_t *w;
@@ -220,6 +219,209 @@ struct job {
     const int16_t *xq;
     const float *dx, *sx;
 };
+
+/* ---- AMX tiles (the avx512 level, when the OS grants the tile state): the same D_b, 16 rows x 32 columns at a time ----
+ * A tile multiply takes int8 operands, so each int16 activation is split exactly, x = 256 * hi + lo (hi signed,
+ * lo unsigned): D_b = 256 * (hi . q) + (lo . q), two tile products per block, both exact in int32 and so is
+ * their sum. The float work after it is tile_q's, operation for operation, 16 lanes at a time (each lane its own
+ * IEEE operations, so the width is not part of the result). Used from AMX_MIN_ROWS rows (below it the unpacking
+ * of the weights into tile layout is not paid back). */
+#if KVQ_LEVEL >= 2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVQ_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_MIN_ROWS 16
+#define AMX_COLS 32 /* output columns per pass: two 16-column tiles */
+#define AMX_CHUNK 4 /* blocks whose tile products are stored before the float work reads them */
+
+static int amx_on;
+
+/* on = 1: use the tiles if the OS grants their state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0: do
+ * not; -1: change nothing. Returns whether they are used (process-wide). */
+int kvq_amx_enable(int on) {
+    if (on >= 0) amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_on;
+}
+
+struct amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_config(void) {
+    struct amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 64; /* C: hi / lo products of column tiles 0, 1 */
+    for (int t = 4; t < 6; t++) c.rows[t] = 16, c.colsb[t] = 32; /* A: hi / lo bytes of 16 rows' block */
+    for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;  /* B: one block of 16 columns, VNNI layout */
+    _tile_loadconfig(&c);
+}
+
+/* Row k (k = 0..3) of a B tile gets dword k of 4 consecutive columns' a, b, c, e: a 4 x 4 dword transpose. */
+static inline void amx_put4(__m128i a, __m128i b, __m128i c, __m128i e, int8_t *dst) {
+    const __m128i t0 = _mm_unpacklo_epi32(a, b), t1 = _mm_unpackhi_epi32(a, b);
+    const __m128i t2 = _mm_unpacklo_epi32(c, e), t3 = _mm_unpackhi_epi32(c, e);
+    _mm_storeu_si128((__m128i *)dst, _mm_unpacklo_epi64(t0, t2));
+    _mm_storeu_si128((__m128i *)(dst + 64), _mm_unpackhi_epi64(t0, t2));
+    _mm_storeu_si128((__m128i *)(dst + 128), _mm_unpacklo_epi64(t1, t3));
+    _mm_storeu_si128((__m128i *)(dst + 192), _mm_unpackhi_epi64(t1, t3));
+}
+
+/* Columns c0..c1 (at most AMX_COLS) of W as tile operands: bt[b][t][k][4 * col + i] = q(c0 + 16 t + col, 32 b +
+ * 4 k + i), and their d, m as floats; columns past c1 are zeros. */
+static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0, int64_t c1, int8_t *bt,
+                     float *d, float *m) {
+    const int bb = block_bytes(qt), qoff = qt == QT_Q4_1 ? 4 : 2;
+    const int64_t nc = c1 - c0;
+    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(qt == QT_Q4_0 ? 8 : 0);
+    for (int q4 = 0; q4 < AMX_COLS / 4; q4++) {
+        const uint8_t *row[4];
+        int live[4];
+        for (int u = 0; u < 4; u++) {
+            const int64_t c = 4 * q4 + u;
+            live[u] = c < nc;
+            row[u] = w + (live[u] ? c0 + c : c0) * ldw;
+        }
+        int8_t *dst0 = bt + (q4 / 4) * 8 * 64 + (q4 % 4) * 16;
+        for (int64_t b = 0; b < nb; b++) {
+            __m128i lo[4], hi[4];
+            for (int u = 0; u < 4; u++) {
+                const uint8_t *blk = row[u] + b * bb;
+                if (!live[u]) {
+                    lo[u] = hi[u] = _mm_setzero_si128();
+                } else if (qt == QT_Q8_0) {
+                    lo[u] = _mm_loadu_si128((const __m128i *)(blk + 2));
+                    hi[u] = _mm_loadu_si128((const __m128i *)(blk + 18));
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + qoff));
+                    lo[u] = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
+                    hi[u] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+                }
+                const int64_t c = 4 * q4 + u;
+                d[b * AMX_COLS + c] = live[u] ? kvq_half(kvq_rd16(blk)) : 0.0f;
+                m[b * AMX_COLS + c] = live[u] && qt == QT_Q4_1 ? kvq_half(kvq_rd16(blk + 2)) : 0.0f;
+            }
+            int8_t *dst = dst0 + b * 2 * 8 * 64;
+            amx_put4(lo[0], lo[1], lo[2], lo[3], dst);
+            amx_put4(hi[0], hi[1], hi[2], hi[3], dst + 4 * 64);
+        }
+    }
+}
+
+/* Output columns n0..n1 of all M rows; xh / xl: the activations' split bytes, [M rounded up to 16][K]. */
+static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1) {
+    const int64_t nb = j->K / QK, K = j->K;
+    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+    float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+    float *m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+    if (!bt || !d || !m) {
+        free(bt), free(d), free(m);
+        return KVQ_ENOMEM;
+    }
+    amx_config();
+    int32_t cbuf[AMX_CHUNK][4][16][16] __attribute__((aligned(64)));
+    __m512 acc[16][2];
+    for (int64_t c0 = n0; c0 < n1; c0 += AMX_COLS) {
+        const int64_t c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
+        amx_pack(j->w, j->ldw, j->qt, nb, c0, c1, bt, d, m);
+        for (int64_t r0 = 0; r0 < j->M; r0 += 16) {
+            for (int r = 0; r < 16; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            for (int64_t b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
+                const int ch = nb - b0 < AMX_CHUNK ? (int)(nb - b0) : AMX_CHUNK;
+                for (int i = 0; i < ch; i++) {
+                    const int64_t b = b0 + i;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_loadd(4, xh + r0 * K + b * QK, K);
+                    _tile_loadd(5, xl + r0 * K + b * QK, K);
+                    _tile_loadd(6, bt + (b * 2) * 8 * 64, 64);
+                    _tile_loadd(7, bt + (b * 2 + 1) * 8 * 64, 64);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbusd(1, 5, 6);
+                    _tile_dpbssd(2, 4, 7);
+                    _tile_dpbusd(3, 5, 7);
+                    _tile_stored(0, cbuf[i][0], 64); /* tile numbers are immediates */
+                    _tile_stored(1, cbuf[i][1], 64);
+                    _tile_stored(2, cbuf[i][2], 64);
+                    _tile_stored(3, cbuf[i][3], 64);
+                }
+                const int rows = j->M - r0 < 16 ? (int)(j->M - r0) : 16;
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < ch; i++) {
+                        const int64_t b = b0 + i, xb = (r0 + r) * nb + b;
+                        const __m512 sdx = _mm512_set1_ps(j->dx[xb]);
+                        for (int t = 0; t < 2; t++) {
+                            const __m512i hi = _mm512_load_si512(cbuf[i][2 * t][r]), lo = _mm512_load_si512(cbuf[i][2 * t + 1][r]);
+                            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+                            const __m512 sc = _mm512_mul_ps(_mm512_load_ps(d + b * AMX_COLS + 16 * t), sdx);
+                            acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
+                            if (j->qt == QT_Q4_1)
+                                acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(m + b * AMX_COLS + 16 * t),
+                                                            _mm512_set1_ps(j->sx[xb]), acc[r][t]);
+                        }
+                    }
+            }
+            const int rows = j->M - r0 < 16 ? (int)(j->M - r0) : 16;
+            for (int r = 0; r < rows; r++) {
+                float out[AMX_COLS] __attribute__((aligned(64)));
+                _mm512_store_ps(out, acc[r][0]), _mm512_store_ps(out + 16, acc[r][1]);
+                float *yr = j->y + (r0 + r) * j->ldy;
+                for (int64_t n = c0; n < c1; n++) yr[n] = j->bias ? out[n - c0] + j->bias[n] : out[n - c0];
+            }
+        }
+    }
+    _tile_release();
+    free(bt), free(d), free(m);
+    return KVQ_OK;
+}
+
+/* Splits the int16 activations into their tile bytes and runs amx_rows on whole column passes per thread. */
+static int amx_matmul(const struct job *j, int16_t *xq, float *dx, float *sx, int nt) {
+    const int64_t Mp = (j->M + 15) / 16 * 16, K = j->K;
+    int8_t *xh = (int8_t *)aligned_alloc(64, (size_t)(Mp * K));
+    uint8_t *xl = (uint8_t *)aligned_alloc(64, (size_t)(Mp * K));
+    if (!xh || !xl) {
+        free(xh), free(xl);
+        return KVQ_ENOMEM;
+    }
+    memset(xh + j->M * K, 0, (size_t)((Mp - j->M) * K)), memset(xl + j->M * K, 0, (size_t)((Mp - j->M) * K));
+    const int64_t passes = (j->N + AMX_COLS - 1) / AMX_COLS, nb = K / QK;
+    if (nt > passes) nt = (int)passes;
+    int rc = KVQ_OK;
+#pragma omp parallel num_threads(nt > 1 ? nt : 1)
+    {
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        const int64_t r0 = j->M * tid / nth, r1 = j->M * (tid + 1) / nth; /* this thread's rows of x */
+        quantize_rows(j->x + r0 * j->ldx, r1 - r0, K, j->ldx, xq + r0 * K, dx + r0 * nb, sx + r0 * nb);
+        for (int64_t i = r0 * K; i < r1 * K; i++) xh[i] = (int8_t)(xq[i] >> 8), xl[i] = (uint8_t)(xq[i] & 0xff);
+#pragma omp barrier
+        const int64_t e = passes * (tid + 1) / nth * AMX_COLS;
+        const int r = amx_rows(j, xh, xl, passes * tid / nth * AMX_COLS, e < j->N ? e : j->N);
+        if (r)
+#pragma omp atomic write
+            rc = r;
+    }
+    free(xh), free(xl);
+    return rc;
+}
+#else
+int kvq_amx_enable(int on) { /* no tiles at this level */
+    (void)on;
+    return 0;
+}
+#endif
+
+/* ---- driver ---- */
+
+
 
 static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
     const int64_t slab = W_SLAB_BYTES / j->ldw / NG * NG, nc = slab > 0 ? slab : NG; /* whole output groups */
@@ -274,10 +476,17 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             free(xq), free(dx), free(sx);
             return KVQ_ENOMEM;
         }
-        quantize_rows(x, M, K, ldx, xq, dx, sx);
         j.xq = xq, j.dx = dx, j.sx = sx;
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
+#ifdef KVQ_HAVE_AMX
+    if (bb && amx_on && M >= AMX_MIN_ROWS) { /* (it rounds x itself, on all its threads) */
+        const int rc = amx_matmul(&j, xq, dx, sx, nt);
+        free(xq), free(dx), free(sx);
+        return rc;
+    }
+#endif
+    if (bb) quantize_rows(x, M, K, ldx, xq, dx, sx);
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
     if (nt > N) nt = (int)N;
