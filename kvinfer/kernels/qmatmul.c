@@ -300,8 +300,8 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
                     hi[u] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
                 }
                 const int64_t c = 4 * q4 + u;
-                d[b * AMX_COLS + c] = live[u] ? kvq_half(kvq_rd16(blk)) : 0.0f;
-                m[b * AMX_COLS + c] = live[u] && qt == QT_Q4_1 ? kvq_half(kvq_rd16(blk + 2)) : 0.0f;
+                d[b * AMX_COLS + c] = live[u] ? _cvtsh_ss(kvq_rd16(blk)) : 0.0f; /* F16C: exact, as kvq_half */
+                m[b * AMX_COLS + c] = live[u] && qt == QT_Q4_1 ? _cvtsh_ss(kvq_rd16(blk + 2)) : 0.0f;
             }
             int8_t *dst = dst0 + b * 2 * 8 * 64;
             amx_put4(lo[0], lo[1], lo[2], lo[3], dst);
