@@ -321,7 +321,7 @@ def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
         assert torch.equal(tiles, vector), (n, k, m)
         assert torch.equal(tiles, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
         assert torch.equal(tiles[m - 1:], lib.matmul(x[m - 1:].clone(), w, qtype, bias=b))  # one row: vectors
-    assert "AMX tiles" in kernels.describe()
+    assert ("AMX tiles" in kernels.describe()) == (kernels.level() == "avx512")  # (KVINFER_ISA may force lower)
 
 
 def test_amx_can_be_switched_off(monkeypatch, reloaded_kernels):
