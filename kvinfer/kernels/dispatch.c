@@ -15,7 +15,8 @@ static uint64_t xcr0(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 
-/* bit 0 avx2 level usable, bit 1 avx512 level usable, bit 2 AMX listed by cpuid, bit 3 AMX granted by the OS */
+/* bit 0 avx2 level usable, bit 1 avx512 level usable, bit 2 AMX listed by cpuid, bit 3 AMX (with its int8
+ * products) granted by the OS */
 int kvq_cpu_features(void) {
     uint32_t a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -25,14 +26,15 @@ int kvq_cpu_features(void) {
     if ((x & 6) != 6) return 0; /* the OS saves neither SSE nor AVX state */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
-              avx512vl = (b >> 31) & 1, vnni = (c >> 11) & 1, amx_tile = (d >> 24) & 1;
+              avx512vl = (b >> 31) & 1, vnni = (c >> 11) & 1, amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
     int out = 0;
     if (avx2 && fma && f16c) out |= 1;
     if ((out & 1) && avx512f && avx512dq && avx512bw && avx512vl && vnni && (x & 0xe0) == 0xe0) out |= 2;
     if (amx_tile) {
         out |= 4;
         /* ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18; an error (EINVAL, EPERM...) just means no */
-        if (syscall(SYS_arch_prctl, 0x1023, 18) == 0 && (xcr0() & (3u << 17)) == (3u << 17)) out |= 8;
+        /* (the kernels use the tiles' int8 products: a CPU with tiles but without them counts as not granted) */
+        if (amx_int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0 && (xcr0() & (3u << 17)) == (3u << 17)) out |= 8;
     }
     return out;
 }
