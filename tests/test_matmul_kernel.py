@@ -303,13 +303,13 @@ AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
 @pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
-    # From 16 rows the avx512 level multiplies on AMX tiles (int16 activations split into two int8 halves, one
+    # From 9 rows the avx512 level multiplies on AMX tiles (int16 activations split into two int8 halves, one
     # exact int32 per block): every row, whatever the tail of rows (past a multiple of 16) or of columns (past a
     # multiple of 32), must be the bits the vector route and the portable level give it, bias included.
     lib = kernels.library("avx512")
     assert lib.amx, "AMX is granted here, so the avx512 level must use it"
     generic = kernels.library("generic")
-    for n, k, m in [(37, 64, 16), (129, 576, 33), (61, 1536, 17), (5, 32, 20), (100, 608, 47)]:
+    for n, k, m in [(37, 64, 16), (129, 576, 33), (61, 1536, 17), (5, 32, 20), (100, 608, 47), (45, 576, 9)]:
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
         x, b = torch.randn(m, k), torch.randn(n)
         tiles = lib.matmul(x, w, qtype, bias=b)

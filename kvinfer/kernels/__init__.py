@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
 # best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid
-# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 16
+# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 9
 # rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way); KVINFER_KERNELS=0 turns the kernels off (the
 # eager PyTorch path, which is not batch-invariant). Libraries are cached in $KVINFER_CACHE/kernels/<hash>/
 # ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler
@@ -216,7 +216,7 @@ class Kernels:
         self.amx = False
 
     def set_amx(self, on: bool) -> bool:
-        """Quantised matmuls of 16 rows and more on AMX tiles (the avx512 level, where the OS grants the tile
+        """Quantised matmuls of 9 rows and more on AMX tiles (the avx512 level, where the OS grants the tile
         state; the same bits as without). Returns whether they now are."""
         self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
         return self.amx
@@ -547,7 +547,7 @@ def describe() -> str:
     amx = "AMX granted" if f["amx_granted"] else "AMX listed but not granted by the OS" if f["amx_listed"] else "no AMX"
     if not available():
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
-    tiles = ", AMX tiles from 16 rows" if _active.amx else ""
+    tiles = ", AMX tiles from 9 rows" if _active.amx else ""
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
