@@ -278,20 +278,17 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
     const int bb = block_bytes(qt), qoff = qt == QT_Q4_1 ? 4 : 2;
     const int64_t nc = c1 - c0;
     const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(qt == QT_Q4_0 ? 8 : 0);
-    for (int q4 = 0; q4 < AMX_COLS / 4; q4++) {
-        const uint8_t *row[4];
-        int live[4];
-        for (int u = 0; u < 4; u++) {
-            const int64_t c = 4 * q4 + u;
-            live[u] = c < nc;
-            row[u] = w + (live[u] ? c0 + c : c0) * ldw;
-        }
-        int8_t *dst0 = bt + (q4 / 4) * 8 * 64 + (q4 % 4) * 16;
+    for (int o8 = 0; o8 < AMX_COLS / 8; o8++) { /* 8 columns at a time: two 4 x 4 transposes, d and m as vectors */
+        const int64_t cb = 8 * o8;
+        const int full = cb + 8 <= nc;
+        const uint8_t *row[8];
+        for (int u = 0; u < 8; u++) row[u] = w + (cb + u < nc ? c0 + cb + u : c0) * ldw;
+        int8_t *dst0 = bt + (o8 / 2) * 8 * 64 + (o8 % 2) * 32;
         for (int64_t b = 0; b < nb; b++) {
-            __m128i lo[4], hi[4];
-            for (int u = 0; u < 4; u++) {
+            __m128i lo[8], hi[8];
+            for (int u = 0; u < 8; u++) {
                 const uint8_t *blk = row[u] + b * bb;
-                if (!live[u]) {
+                if (!full && cb + u >= nc) {
                     lo[u] = hi[u] = _mm_setzero_si128();
                 } else if (qt == QT_Q8_0) {
                     lo[u] = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -301,13 +298,25 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
                     lo[u] = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
                     hi[u] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
                 }
-                const int64_t c = 4 * q4 + u;
-                d[b * AMX_COLS + c] = live[u] ? _cvtsh_ss(kvq_rd16(blk)) : 0.0f; /* F16C: exact, as kvq_half */
-                m[b * AMX_COLS + c] = live[u] && qt == QT_Q4_1 ? _cvtsh_ss(kvq_rd16(blk + 2)) : 0.0f;
+            }
+            float *db = d + b * AMX_COLS + cb, *mb = m + b * AMX_COLS + cb;
+            if (full) {
+                vf vd, vm;
+                vf_load_half2_strided(row[0] + b * bb, (int)ldw, &vd, &vm); /* F16C: exact, as kvq_half */
+                vf_store(db, vd);
+                if (qt == QT_Q4_1) vf_store(mb, vm);
+            } else {
+                for (int u = 0; u < 8; u++) {
+                    const int live = cb + u < nc;
+                    db[u] = live ? _cvtsh_ss(kvq_rd16(row[u] + b * bb)) : 0.0f;
+                    mb[u] = live && qt == QT_Q4_1 ? _cvtsh_ss(kvq_rd16(row[u] + b * bb + 2)) : 0.0f;
+                }
             }
             int8_t *dst = dst0 + b * 2 * 8 * 64;
             amx_put4(lo[0], lo[1], lo[2], lo[3], dst);
+            amx_put4(lo[4], lo[5], lo[6], lo[7], dst + 16);
             amx_put4(hi[0], hi[1], hi[2], hi[3], dst + 4 * 64);
+            amx_put4(hi[4], hi[5], hi[6], hi[7], dst + 4 * 64 + 16);
         }
     }
 }
