@@ -6,10 +6,10 @@ from __future__ import annotations
 # Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
 # best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid
 # and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 9
-# rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way); KVINFER_KERNELS=0 turns the kernels off (the
-# eager PyTorch path, which is not batch-invariant). Libraries are cached in $KVINFER_CACHE/kernels/<hash>/
-# ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler
-# and flags. $CC picks the compiler (default gcc).
+# rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way);
+# KVINFER_KERNELS=0 turns the kernels off (the eager PyTorch path, which is not batch-invariant). Libraries are
+# cached in $KVINFER_CACHE/kernels/<hash>/ ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or
+# $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler and flags. $CC picks the compiler (default gcc).
 
 import ctypes
 import hashlib

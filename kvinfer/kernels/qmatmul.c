@@ -81,7 +81,8 @@ static inline q32 load_q(const uint8_t *blk, int qt) {
 /* d (lanes) and Q4_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its last). */
 static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, vf *m) {
     float dv[NG], mv[NG];
-    for (int u = 0; u < NG; u++) dv[u] = kvq_half(kvq_rd16(rows[u] + off)), mv[u] = kvq_half(kvq_rd16(rows[u] + off + 2));
+    for (int u = 0; u < NG; u++)
+        dv[u] = kvq_half(kvq_rd16(rows[u] + off)), mv[u] = kvq_half(kvq_rd16(rows[u] + off + 2));
     *d = vf_load(dv), *m = vf_load(mv);
 }
 
@@ -222,7 +223,7 @@ struct job {
     const float *dx, *sx;
 };
 
-/* ---- AMX tiles (the avx512 level, when the OS grants the tile state): the same D_b, 16 rows x 32 columns at a time ----
+/* ---- AMX tiles (the avx512 level, when the OS grants the tile state): the same D_b, 16 rows x 32 columns ----
  * A tile multiply takes int8 operands, so each int16 activation is split exactly, x = 256 * hi + lo (hi signed,
  * lo unsigned): D_b = 256 * (hi . q) + (lo . q), two tile products per block, both exact in int32 and so is
  * their sum. The float work after it is tile_q's, operation for operation, 16 lanes at a time (each lane its own
@@ -366,7 +367,8 @@ static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, in
                         const int64_t b = b0 + i, xb = (r0 + r) * nb + b;
                         const __m512 sdx = _mm512_set1_ps(j->dx[xb]);
                         for (int t = 0; t < 2; t++) {
-                            const __m512i hi = _mm512_load_si512(cbuf[i][2 * t][r]), lo = _mm512_load_si512(cbuf[i][2 * t + 1][r]);
+                            const __m512i hi = _mm512_load_si512(cbuf[i][2 * t][r]);
+                            const __m512i lo = _mm512_load_si512(cbuf[i][2 * t + 1][r]);
                             const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
                             const __m512 sc = _mm512_mul_ps(_mm512_load_ps(d + b * AMX_COLS + 16 * t), sdx);
                             acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
