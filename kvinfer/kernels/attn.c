@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void piece64(const struct kvq_attn 
     for (int64_t i0 = 0; i0 < P1 - p0; i0 += 8) {
         /* the next 8 positions' key rows, and these 8 positions' value rows (read after this piece's scores):
          * asked for ahead, as rows sit wherever their blocks are (bench kv-attention, Intel Xeon, 2 threads:
-         * 1.6-1.7x at 65,536 positions, where the cache streams from memory; 1.05-1.25x at 4,096) */
+         * 1.6-1.7x at 65,536 positions, where the cache streams from memory; 1.06-1.26x at 4,096) */
         for (int64_t u = i0 + 8; u < i0 + 16 && u < P1 - p0; u++)
             for (int o = 0; o < 64 * esz; o += 64) __builtin_prefetch((const char *)j->k + offs[u] * esz + o);
         for (int64_t u = i0; u < i0 + 8 && u < P1 - p0; u++)
