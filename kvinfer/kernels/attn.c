@@ -222,6 +222,65 @@ static inline __attribute__((always_inline)) void values64(const void *vbase, co
     }
 }
 
+#if KVQ_LEVEL >= 2
+/* ---- the AVX-512 level's 16 lanes for head size 64: two 8-lane vectors side by side, each lane its own IEEE
+ * operations, so the results are piece64's general code's, bit for bit ---- */
+
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int DT) {
+    if (DT == KV_F32) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)); /* bfloat16 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* dot_kv's two accumulators for a 64-value key row: a0 (even groups of 8) in lanes 0-7, a1 (odd) in 8-15. */
+static inline __attribute__((always_inline)) __m512 dot64_pair(const __m512 *q, const void *k, const int DT) {
+    __m512 z = _mm512_fmadd_ps(q[0], load16(k, 0, DT), _mm512_setzero_ps());
+    z = _mm512_fmadd_ps(q[1], load16(k, 16, DT), z);
+    z = _mm512_fmadd_ps(q[2], load16(k, 32, DT), z);
+    return _mm512_fmadd_ps(q[3], load16(k, 48, DT), z);
+}
+
+/* vf_hsum_each8 of the vectors a0 + a1 of 8 rows' dot64_pair: the same additions in the same order, two or four
+ * rows per register. */
+static inline __attribute__((always_inline)) vf hsum_pairs8(const __m512 *z) {
+    __m512 t[4];
+    for (int i = 0; i < 4; i++) /* [a0 + a1 of row 2i | of row 2i + 1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xee));
+    /* lo + hi 128 bits of rows 0..3 (and 4..7): lanes l0+l4 .. l3+l7, a row per 128 bits */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xdd));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xdd));
+    /* (a0 + a2), (a1 + a3): 128 bits v hold rows v and v + 4 */
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xee));
+    /* (a0 + a2) + (a1 + a3): lane 0 of 128 bits v is row v, lane 1 row v + 4 */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xdd));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
+}
+
+/* values64 for all 64 lanes at once: 16 per register, the same FMA per lane in the same order. */
+static inline __attribute__((always_inline)) void values64_16(const void *vbase, const int64_t *offs, int64_t n,
+                                                              const float *s, float *part, int64_t h0,
+                                                              const int NH, const int DT) {
+    __m512 a[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const void *v = at(vbase, offs[i], DT);
+        const __m512 v0 = load16(v, 0, DT), v1 = load16(v, 16, DT), v2 = load16(v, 32, DT), v3 = load16(v, 48, DT);
+        for (int h = 0; h < NH; h++) {
+            const __m512 w = _mm512_set1_ps(s[(h0 + h) * n + i]);
+            a[h][0] = _mm512_fmadd_ps(w, v0, a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(w, v1, a[h][1]);
+            a[h][2] = _mm512_fmadd_ps(w, v2, a[h][2]);
+            a[h][3] = _mm512_fmadd_ps(w, v3, a[h][3]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + (h0 + h) * 66 + 2 + 16 * c, a[h][c]);
+}
+#endif
+
 #define QTILE 4 /* query tokens of one sequence whose pieces are computed together (each row read once for all) */
 
 /* Pieces [p0, p1s[i]) of the query tokens t0 + i (i < nt <= QTILE: one sequence, consecutive positions, so
@@ -260,6 +319,14 @@ static inline __attribute__((always_inline)) void piece64(const struct kvq_attn 
             const float *q = j->q + (t0 + i) * j->q_stride + g * G * 64;
             for (int64_t h = 0; h < G; h++) {
                 const float *qh = q + h * 64;
+#if KVQ_LEVEL >= 2
+                const __m512 q4[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
+                                      _mm512_loadu_ps(qh + 48)};
+                __m512 z[8];
+                for (int u = 0; u < 8; u++)
+                    z[u] = u < m ? dot64_pair(q4, at(j->k, offs[i0 + u], DT), DT) : _mm512_setzero_ps();
+                const vf r = vf_mul(vf_add(hsum_pairs8(z), vf_zero()), vf_set1(j->scale));
+#else
                 for (int u = 0; u < m; u++) { /* dot_kv: a0 the even groups of 8, a1 the odd ones */
                     const void *k = at(j->k, offs[i0 + u], DT);
                     vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
@@ -274,6 +341,7 @@ static inline __attribute__((always_inline)) void piece64(const struct kvq_attn 
                 }
                 /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
                 const vf r = vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(j->scale));
+#endif
                 float *sh = s + i * G * CHUNK + h * n + i0;
                 if (m == 8) vf_store(sh, r);
                 else {
@@ -305,6 +373,18 @@ static inline __attribute__((always_inline)) void piece64(const struct kvq_attn 
             ph[1] = kvq_exp_shift_sum(sh, n, mx);
         }
     }
+#if KVQ_LEVEL >= 2
+    for (int i = 0; i < nt; i++) {
+        const int64_t n = p1s[i] - p0;
+        const float *si = s + i * G * CHUNK;
+        for (int64_t h = 0; h < G; h += 3) {
+            const int64_t nh = G - h < 3 ? G - h : 3;
+            if (nh == 3) values64_16(j->v, offs, n, si, parts[i], h, 3, DT);
+            else if (nh == 2) values64_16(j->v, offs, n, si, parts[i], h, 2, DT);
+            else values64_16(j->v, offs, n, si, parts[i], h, 1, DT);
+        }
+    }
+#else
     for (int c = 0; c < 64; c += 16)
         for (int i = 0; i < nt; i++) {
             const int64_t n = p1s[i] - p0;
@@ -316,6 +396,7 @@ static inline __attribute__((always_inline)) void piece64(const struct kvq_attn 
                 else values64(j->v, offs, n, si, parts[i], h, 1, c, DT);
             }
         }
+#endif
 }
 
 static void piece64_tile(const struct kvq_attn *j, int64_t t0, int nt, int64_t g, int64_t p0, const int64_t *p1s,
