@@ -515,3 +515,62 @@ def test_embedding_rows_in_c_are_the_dequantized_rows_on_every_level(qtype):
     if qtype in QTYPES:  # the layer takes the kernel route and gives the same rows
         emb = QuantEmbedding(w, qtype, (n, k))
         assert torch.equal(emb(ids), full[ids])
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
+    # A weight kept in tile layout (unpacked once, registered under its address) is multiplied on the tiles from 5
+    # rows instead of 9: every row count must still give the vector route's and the portable level's bits, and
+    # releasing the copy must put the weight back on the per-call route.
+    lib = kernels.library("avx512")
+    generic = kernels.library("generic")
+    for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608)]:
+        w = torch.from_numpy(make_raw(qtype, n, k, seed=n + 1))
+        b = torch.randn(n)
+        xs = {m: torch.randn(m, k) for m in (1, 4, 5, 8, 9, 17, 33)}
+        before = {m: lib.matmul(x, w, qtype, bias=b) for m, x in xs.items()}
+        kept = lib.keep_tiles(w, n, k, qtype)
+        assert kept is not None and kept.nbytes == (n + 31) // 32 * (k // 32) * 1280
+        for m, x in xs.items():
+            y = lib.matmul(x, w, qtype, bias=b)
+            assert torch.equal(y, before[m]), (n, k, m)
+            assert torch.equal(y, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
+        kept.release()
+        assert all(torch.equal(lib.matmul(x, w, qtype, bias=b), before[m]) for m, x in xs.items())
+
+
+def test_weights_are_kept_in_tile_layout_only_where_the_tiles_run():
+    w = torch.from_numpy(make_raw("Q4_1", 64, 64, seed=3))
+    for lv in [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]:
+        lib = kernels.library(lv)
+        if not lib.amx:
+            assert lib.keep_tiles(w, 64, 64, "Q4_1") is None
+    assert kernels.library("generic").keep_tiles(w, 64, 64, "Q4_1") is None
+    lib = kernels.active()
+    assert lib.keep_tiles(torch.randn(64, 64), 64, 64, "F32") is None  # float weights have no tiles
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
+def test_the_engine_keeps_quantised_weights_in_tile_layout_and_counts_them(monkeypatch):
+    from kvinfer import LLM, SamplingParams
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    if kernels.level() != "avx512":
+        pytest.skip("KVINFER_ISA forces a level without tiles")
+    llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)
+    model = llm.engine.loaded.model
+    lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert lins and all(m._tiles is not None for m in lins)  # at start-up, before the KV budget
+    tiles = sum(m._tiles.nbytes for m in lins)
+    quant = sum(m.raw.numel() for m in lins)
+    assert model.weight_bytes() >= tiles + quant
+    assert "weights kept in tile layout" in kernels.describe()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    kept = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    monkeypatch.setenv("KVINFER_AMX_KEEP", "0")
+    plain_llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)
+    assert all(m._tiles is None for m in plain_llm.engine.loaded.model.modules() if isinstance(m, QuantLinear))
+    plain = plain_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert (kept.token_ids, kept.logprobs) == (plain.token_ids, plain.logprobs)

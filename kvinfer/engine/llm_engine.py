@@ -48,6 +48,19 @@ def available_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def _keep_tiles(model) -> None:
+    """Where AMX tiles run the quantised matmuls, unpack each quantised linear's weight into tile layout now
+    (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the weights' memory."""
+    from kvinfer import kernels
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    if model is None or not (kernels.available() and kernels.active().amx and kernels.keep_tiles_enabled()):
+        return
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.raw.is_cpu:
+            m.uses_kernel()
+
+
 def _kv_budget(config: EngineConfig) -> int:
     if config.kv_cache_memory:
         return config.kv_cache_memory
@@ -124,6 +137,7 @@ class LLMEngine:
 
             check_tp_size(resolve_source(config.model, config.load_format).config, config.tensor_parallel_size)
         self.loaded = loaded or load_model(config, source=source)
+        _keep_tiles(self.loaded.model)  # before the KV budget is taken from what memory is left
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = resolve_max_model_len(config, mc)

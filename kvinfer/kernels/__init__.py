@@ -181,11 +181,41 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_fp8_value": ([ctypes.c_uint8], ctypes.c_float),
         "kvq_level": ([], c_int),
         "kvq_amx_enable": ([c_int], c_int),
+        "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
+        "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
+        "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
         "kvq_max_threads": ([], c_int),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+
+
+class KeptTiles:
+    """A weight's copy in AMX tile layout, registered with the library under the weight's address (by
+    Kernels.keep_tiles) for as long as this object lives. It holds the weight too, so that the address cannot be
+    reused meanwhile; the weight's bytes must not change while it is kept."""
+
+    __slots__ = ("_lib", "weight", "tiles", "__weakref__")
+
+    def __init__(self, lib: "Kernels", w: torch.Tensor, tiles: torch.Tensor):
+        self._lib, self.weight, self.tiles = lib, w, tiles
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    def release(self) -> None:
+        """Unregisters the copy (matmuls of the weight go back to unpacking per call)."""
+        if self.tiles is not None:
+            self._lib.lib.kvq_amx_tiles_register(self.weight.data_ptr(), 0, 0, 0, 0, None)
+            self.tiles = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
 
 
 def _nt(n: Optional[int]) -> int:
@@ -220,6 +250,24 @@ class Kernels:
         state; the same bits as without). Returns whether they now are."""
         self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
         return self.amx
+
+    def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str) -> Optional["KeptTiles"]:
+        """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into AMX tile layout and registered, so that
+        its matmuls skip the per-call unpacking and take the tiles from 5 rows (instead of 9). None where the
+        tiles are off or W is not quantised; the copy lives (and stays registered) as long as the result."""
+        if not self.amx or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu or w.stride(1) != 1:
+            return None
+        qt = QTYPES[qtype]
+        nbytes = self.lib.kvq_amx_tiles_bytes(n, k, qt)
+        if nbytes <= 0:
+            return None
+        tiles = torch.empty(nbytes, dtype=torch.uint8)
+        _check(self.lib.kvq_amx_tiles_pack(w.data_ptr(), n, k, w.stride(0), qt, tiles.data_ptr(),
+                                           torch.get_num_threads()), "AMX tile packing")
+        if self.lib.kvq_amx_tiles_register(w.data_ptr(), n, k, w.stride(0), qt, tiles.data_ptr()):
+            log.warning("AMX tile layout not kept for a %dx%d %s weight (registry full)", n, k, qtype)
+            return None
+        return KeptTiles(self, w, tiles)
 
     # -- matmul ---------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
@@ -507,6 +555,12 @@ def _init() -> None:
             _reason = f"CPU kernels unavailable: {e}"
 
 
+def keep_tiles_enabled() -> bool:
+    """Whether quantised weights are kept in AMX tile layout where the tiles are used (default; KVINFER_AMX_KEEP=0
+    unpacks them per call instead: 1.25 bytes per weight less memory, tiles only from 9 rows)."""
+    return not _off("KVINFER_AMX_KEEP")
+
+
 def batch_invariant() -> bool:
     """Whether every route keeps a row's result independent of how it is served (default; KVINFER_BATCH_INVARIANT=0
     lets prefill-sized steps take BLAS GEMMs and SDPA instead, which are faster on long prompts)."""
@@ -547,7 +601,10 @@ def describe() -> str:
     amx = "AMX granted" if f["amx_granted"] else "AMX listed but not granted by the OS" if f["amx_listed"] else "no AMX"
     if not available():
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
-    tiles = ", AMX tiles from 9 rows" if _active.amx else ""
+    tiles = ""
+    if _active.amx:
+        tiles = (", AMX tiles from 5 rows (weights kept in tile layout)" if keep_tiles_enabled()
+                 else ", AMX tiles from 9 rows")
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 

@@ -17,6 +17,13 @@ enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
                const float *bias, float *y, int64_t ldy, int nthreads);
 
+/* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. A quantised weight may be kept
+ * unpacked in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister). */
+int kvq_amx_enable(int on);
+int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);
+int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
+int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles);
+
 /* Attention of T query tokens over a KV cache addressed through block tables; see attn.c. */
 struct kvq_attn {
     const float *q;          /* [T, q_stride]: each row starts with H * D query values */

@@ -71,6 +71,7 @@ class QuantLinear(nn.Module):
         self._kernel: Optional[kernels.PreparedMatmul] = None
         self._kernel_checked = False
         self._weight: Optional[torch.Tensor] = None
+        self._tiles: Optional[kernels.KeptTiles] = None  # raw in AMX tile layout, where the tiles are used
 
     @classmethod
     def from_raw(cls, raw: RawWeight, qtype, shape: Sequence[int], bias: Optional[torch.Tensor] = None,
@@ -106,12 +107,15 @@ class QuantLinear(nn.Module):
         # Caches only: a copy or unpickled layer rebuilds them on first use (and may land where the kernels
         # cannot be built).
         state = dict(self.__dict__)
-        state.update(_kernel=None, _kernel_checked=False, _weight=None)
+        state.update(_kernel=None, _kernel_checked=False, _weight=None, _tiles=None)
         return state
 
     def _apply(self, fn, *args, **kwargs):
         self._weight = None  # the cached copy would not follow a device move
         self._kernel, self._kernel_checked = None, False  # nor would the kernel's pointers
+        if getattr(self, "_tiles", None) is not None:
+            self._tiles.release()
+            self._tiles = None
         return super()._apply(fn, *args, **kwargs)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -129,6 +133,9 @@ class QuantLinear(nn.Module):
             if self._qt is not None and kernels.available() and self.raw.is_cpu:
                 self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
                                                       self.bias)
+                if kernels.keep_tiles_enabled():
+                    self._tiles = kernels.active().keep_tiles(self.raw, self.out_features, self.in_features,
+                                                              self.qtype)
             self._kernel_checked = True
         return self._kernel is not None
 

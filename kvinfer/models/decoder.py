@@ -61,10 +61,13 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def weight_bytes(self) -> int:
-        """Bytes held for weights: parameters, quantised blocks, and any float copies kept for prefill."""
+        """Bytes held for weights: parameters, quantised blocks, and any copies kept for prefill (float) or for
+        AMX tiles."""
         seen, total = set(), 0
         tensors = list(self.parameters()) + list(self.buffers())
         tensors += [m._weight for m in self.modules() if getattr(m, "_weight", None) is not None]
+        tensors += [m._tiles.tiles for m in self.modules()
+                    if getattr(m, "_tiles", None) is not None and m._tiles.tiles is not None]
         for t in tensors:
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
