@@ -86,8 +86,10 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     if with_kv_cache:
         g.add_argument("--kv-cache", default=kv_default, choices=["paged", "contiguous", "none"],
                        help=f"KV cache backend (default: {kv_default}); none recomputes every step")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "bfloat16"],
-                   help="KV cache element type: auto (the model's dtype); int8 or fp8 (e4m3), each with a float32 "
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "int8", "fp8", "bfloat16"],
+                   help="KV cache element type: auto (bfloat16 where quantised weights run on the CPU kernels in "
+                        "float32, else the model's dtype); float32 (with float32 activations: no rounding); int8 "
+                        "or fp8 (e4m3), each with a float32 "
                         "scale per 32 values: about a quarter of float32's bytes per token; bfloat16 (with "
                         "float32 activations): half of float32's bytes, values rounded, no scales")
     g.add_argument("--kv-cache-memory", default=None,

@@ -363,7 +363,7 @@ def preset_config(name: str) -> ModelConfig:
 
 KV_BACKENDS = ("paged", "contiguous", "none")
 # auto: the model's dtype; int8 / fp8 (e4m3): 8 bits + a scale per group of 32 values; bfloat16: 16 bits, no scale
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "int8", "fp8", "bfloat16")
 KV_8BIT = ("int8", "fp8")
 KV_GROUP = 32  # an 8-bit cache has a float32 scale per group of this many values of a row (or per row if D % 32)
 
@@ -380,6 +380,8 @@ def kv_element_bytes(kv_cache_dtype: str, head_dim: int, dtype_bytes: int) -> tu
         return 1, kv_scale_bytes(head_dim)
     if kv_cache_dtype == "bfloat16":
         return 2, 0
+    if kv_cache_dtype == "float32":
+        return 4, 0
     return dtype_bytes, 0
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvinfer import SamplingParams, kernels
 from kvinfer.config import EngineConfig
-from kvinfer.engine.llm_engine import LLMEngine
+from kvinfer.engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
 from kvinfer.loaders.model_loader import load_model
 from tests.conftest import save_tiny_llama
 from tests.reference_helpers import save_tiny
@@ -47,7 +47,8 @@ def _serve(loaded, path, reqs, *, kv_cache="paged", block_size=16, kv_tokens=Non
            arrivals=None, order=None):
     """Run the requests through one engine; arrivals[i] is the step before which request i joins. Returns
     ({index: (token ids, logprobs)}, preemptions)."""
-    kv_per_token = loaded.config.kv_bytes_per_token(4)
+    kv_dtype = resolve_kv_cache_dtype(EngineConfig(model=path, dtype="float32", device="cpu"), loaded).kv_cache_dtype
+    kv_per_token = loaded.config.kv_bytes_per_token(2 if kv_dtype == "bfloat16" else 4)
     if kv_tokens is None:
         mem = kv_per_token * MAX_LEN * 8
     elif kv_cache == "contiguous":

@@ -183,7 +183,7 @@ def test_8bit_attention_is_the_same_bits_on_every_level_alone_or_batched(kv_dtyp
 
 
 def test_invalid_kv_dtype_names_the_choices(capsys):
-    with pytest.raises(ValidationError, match="kv_cache_dtype.*auto, int8, fp8, bfloat16"):
+    with pytest.raises(ValidationError, match="kv_cache_dtype.*auto, float32, int8, fp8, bfloat16"):
         EngineConfig(kv_cache_dtype="int4")
     from kvinfer.cli import build_parser, main
     from kvinfer.config import KV_CACHE_DTYPES
@@ -204,13 +204,13 @@ def test_invalid_kv_dtype_names_the_choices(capsys):
 @pytest.fixture(scope="module")
 def engines():
     out = {}
-    for dt in ("auto", "int8", "fp8", "bfloat16"):
+    for dt in ("float32", "int8", "fp8", "bfloat16"):
         out[dt] = LLM(None, dtype="float32", kv_cache_memory=64 << 20, kv_cache_dtype=dt, max_model_len=1024)
     return out
 
 
 def test_budget_holds_about_four_times_the_tokens_of_float32(engines):
-    f32, i8 = engines["auto"].engine, engines["int8"].engine
+    f32, i8 = engines["float32"].engine, engines["int8"].engine
     mc = f32.model_config
     assert i8.kv_bytes_per_token == 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim + 4 * mc.head_dim // 32)
     ratio = i8.kv_manager.num_total_blocks / f32.kv_manager.num_total_blocks
@@ -275,7 +275,7 @@ def _perplexity(llm, ids) -> float:
 
 
 def test_fidelity_against_the_float32_cache(engines):
-    base = engines["auto"]
+    base = engines["float32"]
     ids = [base.tokenizer.encode(p) for p in PROMPTS]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     ref = base.generate(ids, sp, use_tqdm=False)
@@ -360,3 +360,36 @@ def test_bench_throughput_compares_an_8bit_cache_at_the_same_budget(tiny_llama_d
     assert main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("int8 KV vs float32 KV at ") and "x the generated tokens/s" in last
+
+
+def test_auto_is_bfloat16_for_quantised_weights_on_the_kernels_and_the_model_dtype_otherwise(tiny_llama_dir):
+    # The built-in model's GGUF blocks run on the CPU kernels: half the KV bytes per token by default.
+    q = LLM(None, kv_cache_memory=8 << 20, max_model_len=256).engine
+    assert q.kv_dtype == "bfloat16" and q.kv_cache.k[0].dtype == torch.bfloat16
+    # A float32 safetensors model keeps float32 K/V (so its logits stay comparable with transformers').
+    f = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=1 << 20).engine
+    assert f.kv_dtype == "float32" and f.kv_cache.k[0].dtype == torch.float32
+    assert q.kv_bytes_per_token * 2 == LLM(None, kv_cache_memory=8 << 20, max_model_len=256,
+                                           kv_cache_dtype="float32").engine.kv_bytes_per_token
+
+
+def test_float32_cache_needs_float32_activations(tiny_llama_dir):
+    from kvinfer.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="kv_cache_dtype.*float32 activations"):
+        LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=1 << 20, kv_cache_dtype="float32")
+
+
+def test_none_backend_rounds_like_a_bfloat16_cache():
+    # The none backend keeps no cache, but rounds its K/V as a bfloat16 cache stores them: same bits as paged.
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 9, 200, 7]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = {}
+    for kind in ("paged", "none"):
+        llm = LLM(None, kv_cache=kind, kv_cache_memory=8 << 20, max_model_len=256)
+        assert llm.engine.kv_cache.kv_dtype == "bfloat16"
+        outs[kind] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(ids, sp, use_tqdm=False)]
+    assert outs["paged"] == outs["none"]
+    f32 = LLM(None, kv_cache="none", kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="float32")
+    plain = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in f32.generate(ids, sp, use_tqdm=False)]
+    assert plain != outs["none"]  # the rounding is really applied (logprobs move)

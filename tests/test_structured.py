@@ -73,7 +73,7 @@ def test_length_before_the_json_closes(llm):
 
 def test_preempted_requests_keep_their_grammar():
     # Room for under two sequences: the others are preempted and recomputed mid-JSON.
-    small = LLM(None, kv_cache_memory=8 << 20, max_model_len=256, block_size=16)
+    small = LLM(None, kv_cache_memory=4 << 20, max_model_len=256, block_size=16)
     p = chat(small, "Describe a person with pets as JSON.")
     outs = small.generate([p] * 6, SamplingParams(max_tokens=70, temperature=0.8, seed=3,
                                                  structured_output={"json": PERSON}))

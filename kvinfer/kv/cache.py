@@ -47,6 +47,10 @@ class _Backend:
         # already: "auto").
         if kv_dtype == "bfloat16" and dtype == torch.bfloat16:
             kv_dtype = "auto"
+        if kv_dtype == "float32":  # the activations' own type, unrounded
+            if dtype != torch.float32:
+                raise ValidationError("kv_cache_dtype", kv_dtype, "needs float32 activations (--dtype float32)")
+            kv_dtype = "auto"
         self.kv_dtype = kv_dtype if kv_dtype in kernels.KV_STORAGE else "auto"
         self.k_scale: list[torch.Tensor] = []
         self.v_scale: list[torch.Tensor] = []
@@ -113,7 +117,7 @@ class _Backend:
         """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
         km = md.kernel
         keys, values, strides, kvh = self._kernel_kv(layer, k, v)
-        q8 = self.quantized and keys is self.k[layer]  # (the none backend attends to its fresh float K/V)
+        q8 = self.quantized and keys.dtype != torch.float32  # (the none backend: its own K/V, float32 or bf16)
         scaled = q8 and self.scaled
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
@@ -180,9 +184,20 @@ class NoCache(_Backend):
                 v[g.start:g.end].view(1, n, *v.shape[1:]).transpose(1, 2))
 
     def _kernel_kv(self, layer, k, v):
+        if self.kv_dtype == "bfloat16":  # rounded as a bfloat16 cache stores them (kv_store), then read the same
+            T, kvh, d = k.shape
+            offsets = torch.arange(T, dtype=torch.int64) * (kvh * d)
+            kb, vb = (torch.empty((T, kvh, d), dtype=torch.bfloat16) for _ in range(2))
+            self._store_bf16(k, kb, offsets, d)
+            self._store_bf16(v, vb, offsets, d)
+            return kb, vb, (kvh * d, kvh * d, d), kvh
         if k.stride() != v.stride() or k.stride(2) != 1:  # q/k norms made k a tensor of its own
             k, v = k.contiguous(), v.contiguous()
         return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
+
+    @staticmethod
+    def _store_bf16(x, dst, offsets, head_stride) -> None:
+        kernels.active().kv_store(x, dst, None, offsets, head_stride, "bfloat16")
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):

@@ -37,7 +37,9 @@ class KVSpec:
 
 
 def kv_storage_dtype(kind: str, kv_cache_dtype: str) -> str:
-    return kv_cache_dtype if kind != "none" else "auto"  # `none` keeps no K/V to quantize
+    # `none` keeps no K/V to quantize; a bfloat16 cache's rounding it applies to its own K/V, so that the
+    # backends agree bit for bit
+    return kv_cache_dtype if kind != "none" or kv_cache_dtype == "bfloat16" else "auto"
 
 
 def kv_bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -91,7 +93,7 @@ def make_cache(spec: KVSpec, alibi: Optional[torch.Tensor] = None) -> _Backend:
         cache = ContiguousCache(s.num_layers, s.count, s.num_kv_heads, s.max_len, s.head_dim, s.dtype, s.device,
                                 s.kv_dtype)
     else:
-        cache = NoCache(s.num_layers, s.device, s.dtype)
+        cache = NoCache(s.num_layers, s.device, s.dtype, s.kv_dtype)
     cache.sliding_window = s.sliding_window
     cache.alibi = alibi
     return cache
