@@ -393,3 +393,20 @@ def test_none_backend_rounds_like_a_bfloat16_cache():
     f32 = LLM(None, kv_cache="none", kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="float32")
     plain = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in f32.generate(ids, sp, use_tqdm=False)]
     assert plain != outs["none"]  # the rounding is really applied (logprobs move)
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "bfloat16"])
+def test_a_reserved_cache_is_not_resident_until_written(kv_dtype):
+    # The budget is reserved at start-up, but pages count only once blocks are written (bfloat16 included).
+    before = _rss()
+    cache = PagedCache(4, 4096, 16, 4, 64, torch.float32, "cpu", kv_dtype)  # 256 MiB of float32, less packed
+    assert cache.nbytes >= 64 << 20
+    assert _rss() - before < 16 << 20

@@ -17,9 +17,9 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
     """A zero-filled cache tensor. On the CPU it comes from calloc (through numpy): the kernel maps zero pages
     lazily, so the budget is reserved at start-up but memory is only touched as blocks are first written."""
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8,
-                torch.uint8: np.uint8}.get(dtype)
+                torch.uint8: np.uint8, torch.bfloat16: np.uint16}.get(dtype)
     if torch.device(device).type == "cpu" and np_dtype is not None:
-        return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)  # (bfloat16: zero bits are 0.0)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
