@@ -520,9 +520,9 @@ def test_embedding_rows_in_c_are_the_dequantized_rows_on_every_level(qtype):
 @pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
-    # A weight kept in tile layout (unpacked once, registered under its address) is multiplied on the tiles from 5
-    # rows instead of 9: every row count must still give the vector route's and the portable level's bits, and
-    # releasing the copy must put the weight back on the per-call route.
+    # A weight kept in tile layout (unpacked once, registered under its address) is multiplied on the tiles without
+    # unpacking: every row count must still give the vector route's and the portable level's bits, and releasing
+    # the copy must put the weight back on the per-call route.
     lib = kernels.library("avx512")
     generic = kernels.library("generic")
     for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608)]:

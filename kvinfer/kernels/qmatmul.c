@@ -235,9 +235,6 @@ struct job {
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_MIN_ROWS 9 /* tiles vs vectors, all of the model's matmuls: 0.94x at 8 rows, 1.11x at 9, 1.31x at 12 */
-/* the same with the weights kept in tile layout (all of the model's matmuls, Intel Xeon, 2 threads, against the
- * vector route): 0.95-1.00x at 4 rows, 1.05-1.07x at 5, 1.15x at 6, 1.4x at 8 */
-#define AMX_MIN_ROWS_KEPT 5
 #define AMX_COLS 32 /* output columns per pass: two 16-column tiles */
 #define AMX_CHUNK 4 /* blocks whose tile products are stored before the float work reads them */
 
@@ -329,8 +326,11 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
 /* ---- weights kept in tile layout ----
  * Unpacking a pass of weights costs about a third of a 16-row matmul, every call. A weight may instead be
  * unpacked once (kvq_amx_tiles_pack: pass after pass, amx_pack's bt, then d, then m) and registered under its
- * address; matmuls of that weight then load their tiles straight from it, from AMX_MIN_ROWS_KEPT rows. The copy
- * costs 1.25 bytes per weight (Q4_1 blocks: 0.625). Same bytes into the same tile products: same results. */
+ * address; matmuls of that weight then load their tiles straight from it. The copy costs 1.25 bytes per weight
+ * (Q4_1 blocks: 0.625). Same bytes into the same tile products: same results. Intel Xeon, 2 threads, built-in
+ * model, 128 greedy tokens for each of n sequences: 1.16x at 12 and 16 sequences. Kept tiles did not pay below 9
+ * rows there (0.82x at 6 sequences, even at 8) although all of the model's matmuls timed alone in a loop said
+ * 1.15x at 6 rows and 1.4x at 8. */
 static int64_t amx_pass_bytes(int64_t nb) { return nb * (2 * 8 * 64 + 2 * AMX_COLS * (int64_t)sizeof(float)); }
 
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
@@ -596,9 +596,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
 #ifdef KVQ_HAVE_AMX
-    const int any_kept = __atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) > 0;
-    const uint8_t *kept = bb && amx_on && M >= AMX_MIN_ROWS_KEPT && any_kept ? amx_kept_tiles(&j) : NULL;
-    if (bb && amx_on && (M >= AMX_MIN_ROWS || kept)) { /* (it rounds x itself, on all its threads) */
+    if (bb && amx_on && M >= AMX_MIN_ROWS) { /* (it rounds x itself, on all its threads) */
+        const uint8_t *kept = __atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) > 0 ? amx_kept_tiles(&j) : NULL;
         const int rc = amx_matmul(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
         return rc;
