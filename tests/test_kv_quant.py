@@ -352,8 +352,9 @@ def test_bench_throughput_compares_an_8bit_cache_at_the_same_budget(tiny_llama_d
 
     argv = ["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "4", "--kv-cache-memory", "384KiB",
             "--compare", "kv-int8"]
-    assert main(argv + ["--json"]) == 0
-    ours, q8 = json.loads(capsys.readouterr().out)["rows"]
+    assert main(argv[:-1] + ["kv-int8,kv-float32", "--json"]) == 0
+    ours, q8, f32 = json.loads(capsys.readouterr().out)["rows"]
+    assert f32["kv_dtype"] == "float32" and f32["total_blocks"] == ours["total_blocks"]  # (float32 weights: auto)
     assert (ours["kv_dtype"], q8["kv_dtype"], q8["name"]) == ("float32", "int8", "kvinfer, --kv-cache-dtype int8")
     assert q8["total_blocks"] > 3 * ours["total_blocks"] and q8["generated"] == ours["generated"]
     assert ours["preemptions"] > 0 and q8["preemptions"] < ours["preemptions"]  # the float32 run is KV-bound

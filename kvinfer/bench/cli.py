@@ -81,12 +81,12 @@ def register(sub) -> None:
                    help="requests in the workload (default 64)")
     t.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
     t.add_argument("--compare", type=_peers("transformers", "llama.cpp", "llama-server", "no-invariance", "kv-int8",
-                                            "kv-fp8", "kv-bfloat16"),
+                                            "kv-fp8", "kv-bfloat16", "kv-float32"),
                    default=["transformers"],
                    help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
                         "time), llama-server (llama.cpp's HTTP server, parallel slots), no-invariance (kvinfer "
-                        "itself with KVINFER_BATCH_INVARIANT=0), kv-int8 / kv-fp8 / kv-bfloat16 "
-                        "(kvinfer itself with --kv-cache-dtype int8 / fp8 / bfloat16 at the same --kv-cache-memory), "
+                        "itself with KVINFER_BATCH_INVARIANT=0), kv-int8 / kv-fp8 / kv-bfloat16 / kv-float32 "
+                        "(kvinfer itself with that --kv-cache-dtype at the same --kv-cache-memory), "
                         "none (default transformers)")
     t.add_argument("--llama-server", metavar="PATH", default=None,
                    help="llama.cpp server binary for --compare llama-server (default $LLAMA_SERVER, else "
@@ -395,7 +395,7 @@ def cmd_throughput(args) -> int:
                 peer_llm.close()
             g2 = sum(len(o.outputs[0].token_ids) for o in o2)
             rows.append(dict(name=NO_INVARIANCE, seconds=s2, tps=g2 / s2, generated=g2))
-        elif peer in ("kv-int8", "kv-fp8", "kv-bfloat16"):  # the same engine and budget, another KV dtype
+        elif peer in ("kv-int8", "kv-fp8", "kv-bfloat16", "kv-float32"):  # the same engine and budget, another KV dtype
             import dataclasses
 
             peer_llm = LLM(config=dataclasses.replace(cfg, kv_cache_dtype=peer[3:]))
