@@ -408,6 +408,6 @@ def _rss() -> int:
 def test_a_reserved_cache_is_not_resident_until_written(kv_dtype):
     # The budget is reserved at start-up, but pages count only once blocks are written (bfloat16 included).
     before = _rss()
-    cache = PagedCache(4, 4096, 16, 4, 64, torch.float32, "cpu", kv_dtype)  # 256 MiB of float32, less packed
-    assert cache.nbytes >= 64 << 20
-    assert _rss() - before < 16 << 20
+    cache = PagedCache(4, 8192, 16, 4, 64, torch.float32, "cpu", kv_dtype)  # 512 MiB of float32, less packed
+    assert cache.nbytes >= 128 << 20
+    assert _rss() - before < cache.nbytes // 4  # (other threads of the test process may allocate meanwhile)

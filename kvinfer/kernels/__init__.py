@@ -557,8 +557,8 @@ def _init() -> None:
 
 def keep_tiles_enabled() -> bool:
     """Whether quantised weights are kept in AMX tile layout where the tiles are used (default; KVINFER_AMX_KEEP=0
-    unpacks them per call instead: 1.25 bytes per weight less memory, 1.16x slower batched decode of 12-16
-    sequences on an Intel Xeon)."""
+    unpacks them per call instead: 1.25 bytes per weight less memory; batched decode of 12-16 sequences 1.16-1.25x
+    slower on an Intel Xeon)."""
     return not _off("KVINFER_AMX_KEEP")
 
 

@@ -328,7 +328,7 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
  * unpacked once (kvq_amx_tiles_pack: pass after pass, amx_pack's bt, then d, then m) and registered under its
  * address; matmuls of that weight then load their tiles straight from it. The copy costs 1.25 bytes per weight
  * (Q4_1 blocks: 0.625). Same bytes into the same tile products: same results. Intel Xeon, 2 threads, built-in
- * model, 128 greedy tokens for each of n sequences: 1.16x at 12 and 16 sequences. Kept tiles did not pay below 9
+ * model, 128 greedy tokens for each of n sequences: 1.16x at 12, 1.16-1.25x at 16. Kept tiles did not pay below 9
  * rows there (0.82x at 6 sequences, even at 8) although all of the model's matmuls timed alone in a loop said
  * 1.15x at 6 rows and 1.4x at 8. */
 static int64_t amx_pass_bytes(int64_t nb) { return nb * (2 * 8 * 64 + 2 * AMX_COLS * (int64_t)sizeof(float)); }
