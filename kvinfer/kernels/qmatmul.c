@@ -86,6 +86,37 @@ static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, 
     *d = vf_load(dv), *m = vf_load(mv);
 }
 
+#if KVQ_LEVEL >= 2
+/* Two weight rows' block b as 32 int16 each, in two registers: lo = [row u elements 0-15 | row v elements 0-15],
+ * hi = the same for elements 16-31. */
+static inline __attribute__((always_inline)) void load_q_pair(const uint8_t *bu, const uint8_t *bv, int qt,
+                                                              __m512i *lo, __m512i *hi) {
+    if (qt == QT_Q8_0) {
+        *lo = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + 2), (const __m128i *)(bu + 2)));
+        *hi = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + 18), (const __m128i *)(bu + 18)));
+        return;
+    }
+    const int o = qt == QT_Q4_1 ? 4 : 2;
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + o), (const __m128i *)(bu + o)));
+    const __m512i off = _mm512_set1_epi16(qt == QT_Q4_0 ? 8 : 0);
+    *lo = _mm512_sub_epi16(_mm512_and_si512(v, _mm512_set1_epi16(15)), off);
+    *hi = _mm512_sub_epi16(_mm512_srli_epi16(v, 4), off);
+}
+
+/* Lane u of the result: the sum of the 8 lanes of column u, where p[i] holds columns 2i (lanes 0-7) and 2i + 1
+ * (lanes 8-15). Exact integers: the order of the additions is free. */
+static inline __attribute__((always_inline)) vi sum8_pairs(const __m512i *p) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    /* 128 bits c: [p0's, p1's, p2's, p3's sum over their lanes of that chunk] */
+    const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    /* chunks 0 + 1: columns 0, 2, 4, 6; chunks 2 + 3: columns 1, 3, 5, 7 */
+    const __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(r, r, 0x88), _mm512_shuffle_i32x4(r, r, 0xdd));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    return _mm256_permutevar8x32_epi32(_mm512_castsi512_si256(t), order);
+}
+#endif
+
 /* Weight rows n0..n1 against MT quantised x rows, 8 output columns (one vector) at a time. The arithmetic of
  * y[r, n], the same whatever MT, the group n falls in, the thread or the level (the AMX route below included):
  *   acc = 0; for each block b in order:
@@ -113,13 +144,32 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
             vf vd, vm;
             if (g == NG) vf_load_half2_strided(rows[0] + off, (int)ldw, &vd, &vm);
             else load_dm_rows(rows, off, &vd, &vm);
+#if KVQ_LEVEL >= 2
+            /* two columns per 16-lane register: half the dot-product instructions, then one reduction */
+            __m512i qlo[NG / 2], qhi[NG / 2];
+            for (int i = 0; i < NG / 2; i++)
+                load_q_pair(rows[2 * i] + off, rows[2 * i + 1] + off, qt, &qlo[i], &qhi[i]);
+            vi dsum[MT_MAX];
+            for (int r = 0; r < MT; r++) {
+                const int16_t *xr = xq + (r * nb + b) * QK;
+                const __m512i xl = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr));
+                const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xr + 16)));
+                __m512i p[NG / 2];
+                for (int i = 0; i < NG / 2; i++)
+                    p[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qlo[i], xl), qhi[i], xh);
+                dsum[r] = sum8_pairs(p);
+            }
+#else
             vi dot[MT_MAX][NG];
             for (int u = 0; u < NG; u++) {
                 const q32 q = load_q(rows[u] + off, qt);
                 for (int r = 0; r < MT; r++) dot[r][u] = q32_dot(q, xq + (r * nb + b) * QK);
             }
+            vi dsum[MT_MAX];
+            for (int r = 0; r < MT; r++) dsum[r] = vi_sum8(dot[r]);
+#endif
             for (int r = 0; r < MT; r++) {
-                acc[r] = vf_fma(vi_to_vf(vi_sum8(dot[r])), vf_mul(vd, vf_set1(dx[r * nb + b])), acc[r]);
+                acc[r] = vf_fma(vi_to_vf(dsum[r]), vf_mul(vd, vf_set1(dx[r * nb + b])), acc[r]);
                 if (qt == QT_Q4_1) acc[r] = vf_fma(vm, vf_set1(sx[r * nb + b]), acc[r]);
             }
         }

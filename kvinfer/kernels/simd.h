@@ -6,7 +6,9 @@
  * same order, lane for lane; integer work (the quantised dot products) is exact, so it may be done any way a
  * level likes. The portable level spells the lanes out in C; built with -ffp-contract=off everywhere, so the
  * compiler never fuses a multiply and an add on its own. The AVX-512 level keeps 8-lane vectors (the order of
- * a reduction is part of the result) and gains VNNI dot products and twice the registers.
+ * a reduction is part of the result) and gains VNNI dot products and twice the registers; where its code uses
+ * 16 lanes (attn.c's head-size-64 pieces, qmatmul.c's dot products) a register holds two 8-lane vectors side by
+ * side, or exact integers.
  */
 #ifndef KVINFER_SIMD_H
 #define KVINFER_SIMD_H
