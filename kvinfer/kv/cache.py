@@ -1,6 +1,8 @@
 """KV cache tensors of each backend (none, contiguous, paged) and the per-step attention metadata."""
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Optional, Sequence
 
 import numpy as np
@@ -14,12 +16,19 @@ from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, b
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
-    """A zero-filled cache tensor. On the CPU it comes from calloc (through numpy): the kernel maps zero pages
-    lazily, so the budget is reserved at start-up but memory is only touched as blocks are first written."""
+    """A zero-filled cache tensor. On the CPU it is an anonymous memory map: the kernel maps zero pages lazily, so
+    the budget is reserved at start-up but memory is only touched as blocks are first written. (calloc gave the
+    same only for sizes it maps itself: below glibc's mmap threshold, up to 32 MiB, it may clear reused heap
+    memory, touching it.)"""
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8,
                 torch.uint8: np.uint8, torch.bfloat16: np.uint16}.get(dtype)
     if torch.device(device).type == "cpu" and np_dtype is not None:
-        return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)  # (bfloat16: zero bits are 0.0)
+        count = math.prod(shape)
+        nbytes = count * np.dtype(np_dtype).itemsize
+        if nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        arr = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np_dtype, count=count).reshape(shape)
+        return torch.from_numpy(arr).view(dtype)  # (bfloat16: zero bits are 0.0; the array keeps the map alive)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
