@@ -197,16 +197,13 @@ class NoCache(_Backend):
             T, kvh, d = k.shape
             offsets = torch.arange(T, dtype=torch.int64) * (kvh * d)
             kb, vb = (torch.empty((T, kvh, d), dtype=torch.bfloat16) for _ in range(2))
-            self._store_bf16(k, kb, offsets, d)
-            self._store_bf16(v, vb, offsets, d)
+            lib = kernels.active()
+            lib.kv_store(k, kb, None, offsets, d, "bfloat16")
+            lib.kv_store(v, vb, None, offsets, d, "bfloat16")
             return kb, vb, (kvh * d, kvh * d, d), kvh
         if k.stride() != v.stride() or k.stride(2) != 1:  # q/k norms made k a tensor of its own
             k, v = k.contiguous(), v.contiguous()
         return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
-
-    @staticmethod
-    def _store_bf16(x, dst, offsets, head_stride) -> None:
-        kernels.active().kv_store(x, dst, None, offsets, head_stride, "bfloat16")
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):
