@@ -11,8 +11,10 @@
  * 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's largest
  * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
- * and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns; tiles
- * of up to 8 rows share each decoded block (per row a block costs two vpmaddwd, VNNI's vpdpwssd on AVX-512).
+ * and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns (16 at
+ * the AVX-512 level, one column per lane: tile_q16); tiles of up to 8 rows share each decoded block (per row and
+ * 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level one VNNI vpdpwssd per pair of
+ * elements for 16 columns at once, no reduction).
  * From 9 rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32 per block
  * (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of it is
  * what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
@@ -87,36 +89,137 @@ static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, 
 }
 
 #if KVQ_LEVEL >= 2
-/* Two weight rows' block b as 32 int16 each, in two registers: lo = [row u elements 0-15 | row v elements 0-15],
- * hi = the same for elements 16-31. */
-static inline __attribute__((always_inline)) void load_q_pair(const uint8_t *bu, const uint8_t *bv, int qt,
-                                                              __m512i *lo, __m512i *hi) {
+/* ---- the AVX-512 level: 16 output columns per register, lane = column ----
+ * The quants of 16 weight rows' block b are transposed so that register R_j holds, in the lane of each column,
+ * that column's elements 2j and 2j + 1 as two int16; one VNNI instruction per pair then adds both products to
+ * the column's own int32 lane (the activations' pair broadcast), so 16 instructions give D_b of 16 columns and
+ * no reduction is left. The transpose is paid once per block and shared by every row of the tile, so a row
+ * costs 16 dot-product instructions and its float work (the 8-column route spent 8 dot products and a
+ * 13-instruction reduction per 8 columns). D_b is the same exact int32, and each lane then runs the float
+ * operations of tile_q below: the same bits. */
+
+/* out[t], lane c: dword t (t = 0..3) of the 16 bytes at p[c] + off. */
+static inline __attribute__((always_inline)) void dw_transpose16x4(const uint8_t *const *p, int64_t off,
+                                                                   __m512i out[4]) {
+    __m512i s[4];
+    for (int i = 0; i < 4; i++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[4 * i] + off)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[4 * i + 1] + off)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[4 * i + 2] + off)), 2);
+        s[i] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[4 * i + 3] + off)), 3);
+    }
+    /* s[i] dword 4k + t: column 4i + k's dword t. Lanes 0-7: dword t of columns 0-7 (or 8-15), lanes 8-15: t+1 */
+    const __m512i i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i i23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+    const __m512i ab01 = _mm512_permutex2var_epi32(s[0], i01, s[1]), ab23 = _mm512_permutex2var_epi32(s[0], i23, s[1]);
+    const __m512i cd01 = _mm512_permutex2var_epi32(s[2], i01, s[3]), cd23 = _mm512_permutex2var_epi32(s[2], i23, s[3]);
+    out[0] = _mm512_shuffle_i64x2(ab01, cd01, 0x44);
+    out[1] = _mm512_shuffle_i64x2(ab01, cd01, 0xee);
+    out[2] = _mm512_shuffle_i64x2(ab23, cd23, 0x44);
+    out[3] = _mm512_shuffle_i64x2(ab23, cd23, 0xee);
+}
+
+/* R[j] (j = 0..15), lane c: elements 2j, 2j + 1 of column c's block as int16 (Q4: minus the offset). */
+static inline __attribute__((always_inline)) void load_q16(const uint8_t *const *rows, int64_t off, int qt,
+                                                           __m512i R[16]) {
+    __m512i y[4];
     if (qt == QT_Q8_0) {
-        *lo = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + 2), (const __m128i *)(bu + 2)));
-        *hi = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + 18), (const __m128i *)(bu + 18)));
+        /* dword t holds bytes 4t..4t+3 = pairs 2t, 2t + 1; each byte to a word's high half, then shifted down
+         * arithmetically: sign-extended */
+        const __m512i sa = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, 0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9,
+                                                                -128, 12, -128, 13));
+        const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, 2, -128, 3, -128, 6, -128, 7, -128, 10, -128,
+                                                                11, -128, 14, -128, 15));
+        for (int h = 0; h < 2; h++) {
+            dw_transpose16x4(rows, off + 2 + 16 * h, y);
+            for (int t = 0; t < 4; t++) {
+                R[8 * h + 2 * t] = _mm512_srai_epi16(_mm512_shuffle_epi8(y[t], sa), 8);
+                R[8 * h + 2 * t + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(y[t], sb), 8);
+            }
+        }
         return;
     }
-    const int o = qt == QT_Q4_1 ? 4 : 2;
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i((const __m128i *)(bv + o), (const __m128i *)(bu + o)));
-    const __m512i off = _mm512_set1_epi16(qt == QT_Q4_0 ? 8 : 0);
-    *lo = _mm512_sub_epi16(_mm512_and_si512(v, _mm512_set1_epi16(15)), off);
-    *hi = _mm512_sub_epi16(_mm512_srli_epi16(v, 4), off);
+    /* 4-bit: dword t holds bytes 4t..4t+3; their low nibbles are elements 4t..4t+3 (pairs 2t, 2t + 1), their high
+     * nibbles elements 16 + 4t.. (pairs 8 + 2t, 9 + 2t) */
+    const __m512i sa = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12,
+                                                            -128, 13, -128));
+    const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128,
+                                                            14, -128, 15, -128));
+    const __m512i lo = _mm512_set1_epi16(15), o = _mm512_set1_epi16(qt == QT_Q4_0 ? 8 : 0);
+    dw_transpose16x4(rows, off + (qt == QT_Q4_1 ? 4 : 2), y);
+    for (int t = 0; t < 4; t++) {
+        const __m512i a = _mm512_shuffle_epi8(y[t], sa), b = _mm512_shuffle_epi8(y[t], sb);
+        R[2 * t] = _mm512_and_si512(a, lo);
+        R[2 * t + 1] = _mm512_and_si512(b, lo);
+        R[8 + 2 * t] = _mm512_srli_epi16(a, 4);
+        R[9 + 2 * t] = _mm512_srli_epi16(b, 4);
+        if (qt == QT_Q4_0)
+            for (int i = 0; i < 2; i++) {
+                R[2 * t + i] = _mm512_sub_epi16(R[2 * t + i], o);
+                R[8 + 2 * t + i] = _mm512_sub_epi16(R[8 + 2 * t + i], o);
+            }
+    }
 }
 
-/* Lane u of the result: the sum of the 8 lanes of column u, where p[i] holds columns 2i (lanes 0-7) and 2i + 1
- * (lanes 8-15). Exact integers: the order of the additions is free. */
-static inline __attribute__((always_inline)) vi sum8_pairs(const __m512i *p) {
-    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
-    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
-    /* 128 bits c: [p0's, p1's, p2's, p3's sum over their lanes of that chunk] */
-    const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-    /* chunks 0 + 1: columns 0, 2, 4, 6; chunks 2 + 3: columns 1, 3, 5, 7 */
-    const __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(r, r, 0x88), _mm512_shuffle_i32x4(r, r, 0xdd));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    return _mm256_permutevar8x32_epi32(_mm512_castsi512_si256(t), order);
-}
-#endif
+#define NG16 16
 
+/* tile_q's arithmetic, 16 columns at a time (see above). */
+static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, const float *dx, const float *sx,
+                                                           int64_t nb, const uint8_t *w, int64_t ldw, int qt,
+                                                           float *y, int64_t ldy, int64_t n0, int64_t n1,
+                                                           int prefetch, const int MT) {
+    const int bb = block_bytes(qt);
+    for (int64_t n = n0; n < n1; n += NG16) {
+        const int g = n1 - n < NG16 ? (int)(n1 - n) : NG16;
+        const uint8_t *rows[NG16];
+        for (int u = 0; u < NG16; u++) rows[u] = w + (n + (u < g ? u : g - 1)) * ldw;
+        __m512 acc[MT_MAX];
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t off = b * bb;
+            if (prefetch) /* the next group's rows, a group ahead (rows are contiguous) */
+                for (int u = 0; u < NG16; u++) __builtin_prefetch(rows[u] + off + NG16 * ldw);
+            vf d0, m0, d1, m1;
+            if (g == NG16) {
+                vf_load_half2_strided(rows[0] + off, (int)ldw, &d0, &m0);
+                vf_load_half2_strided(rows[8] + off, (int)ldw, &d1, &m1);
+            } else {
+                load_dm_rows(rows, off, &d0, &m0);
+                load_dm_rows(rows + 8, off, &d1, &m1);
+            }
+            const __m512 vd = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+            const __m512 vm = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
+            __m512i R[16];
+            load_q16(rows, off, qt, R);
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                const int16_t *xr = xq + (r * nb + b) * QK;
+                /* four chains of dependent VNNI instructions, not one of 16: a chain's latency, not the
+                 * instructions, bounded this loop (1.25x at 5 rows). Exact integers: any order. */
+                __m512i Dp[4];
+#pragma GCC unroll 16
+                for (int jj = 0; jj < 16; jj++) {
+                    int32_t xp;
+                    memcpy(&xp, xr + 2 * jj, 4);
+                    Dp[jj & 3] = _mm512_dpwssd_epi32(jj < 4 ? _mm512_setzero_si512() : Dp[jj & 3], R[jj],
+                                                     _mm512_set1_epi32(xp));
+                }
+                const __m512i D = _mm512_add_epi32(_mm512_add_epi32(Dp[0], Dp[1]), _mm512_add_epi32(Dp[2], Dp[3]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx[r * nb + b])),
+                                         acc[r]);
+                if (qt == QT_Q4_1) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+            }
+        }
+        const __mmask16 keep = g == NG16 ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(y + r * ldy + n, keep, acc[r]);
+    }
+}
+#define tile_q tile_q16
+#define QNG NG16 /* output columns per group of the quantised route */
+#else
+#define QNG NG
 /* Weight rows n0..n1 against MT quantised x rows, 8 output columns (one vector) at a time. The arithmetic of
  * y[r, n], the same whatever MT, the group n falls in, the thread or the level (the AMX route below included):
  *   acc = 0; for each block b in order:
@@ -144,22 +247,6 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
             vf vd, vm;
             if (g == NG) vf_load_half2_strided(rows[0] + off, (int)ldw, &vd, &vm);
             else load_dm_rows(rows, off, &vd, &vm);
-#if KVQ_LEVEL >= 2
-            /* two columns per 16-lane register: half the dot-product instructions, then one reduction */
-            __m512i qlo[NG / 2], qhi[NG / 2];
-            for (int i = 0; i < NG / 2; i++)
-                load_q_pair(rows[2 * i] + off, rows[2 * i + 1] + off, qt, &qlo[i], &qhi[i]);
-            vi dsum[MT_MAX];
-            for (int r = 0; r < MT; r++) {
-                const int16_t *xr = xq + (r * nb + b) * QK;
-                const __m512i xl = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xr));
-                const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xr + 16)));
-                __m512i p[NG / 2];
-                for (int i = 0; i < NG / 2; i++)
-                    p[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qlo[i], xl), qhi[i], xh);
-                dsum[r] = sum8_pairs(p);
-            }
-#else
             vi dot[MT_MAX][NG];
             for (int u = 0; u < NG; u++) {
                 const q32 q = load_q(rows[u] + off, qt);
@@ -167,7 +254,6 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
             }
             vi dsum[MT_MAX];
             for (int r = 0; r < MT; r++) dsum[r] = vi_sum8(dot[r]);
-#endif
             for (int r = 0; r < MT; r++) {
                 acc[r] = vf_fma(vi_to_vf(dsum[r]), vf_mul(vd, vf_set1(dx[r * nb + b])), acc[r]);
                 if (qt == QT_Q4_1) acc[r] = vf_fma(vm, vf_set1(sx[r * nb + b]), acc[r]);
@@ -184,6 +270,8 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
         }
     }
 }
+
+#endif
 
 typedef void (*tile_q_fn)(const int16_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, int,
                           float *, int64_t, int64_t, int64_t, int);
@@ -590,7 +678,8 @@ int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, 
 
 
 static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
-    const int64_t slab = W_SLAB_BYTES / j->ldw / NG * NG, nc = slab > 0 ? slab : NG; /* whole output groups */
+    const int64_t ng = j->xq ? QNG : NG;
+    const int64_t slab = W_SLAB_BYTES / j->ldw / ng * ng, nc = slab > 0 ? slab : ng; /* whole output groups */
     const int64_t nb = j->K / QK;
     const int mt = j->xq ? MT_MAX : MF_MAX;
     for (int64_t c0 = n0; c0 < n1; c0 += nc) {
@@ -668,8 +757,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             tid = omp_get_thread_num();
             nth = omp_get_num_threads();
 #endif
-            const int64_t groups = (N + NG - 1) / NG, e = groups * (tid + 1) / nth * NG; /* whole groups each */
-            run_rows(&j, groups * tid / nth * NG, e < N ? e : N);
+            const int64_t ng = bb ? QNG : NG, groups = (N + ng - 1) / ng, e = groups * (tid + 1) / nth * ng;
+            run_rows(&j, groups * tid / nth * ng, e < N ? e : N); /* whole groups each */
         }
     }
     free(xq), free(dx), free(sx);
