@@ -303,13 +303,16 @@ AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
 @pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
-    # From 9 rows the avx512 level multiplies on AMX tiles (int16 activations split into two int8 halves, one
-    # exact int32 per block): every row, whatever the tail of rows (past a multiple of 16) or of columns (past a
-    # multiple of 32), must be the bits the vector route and the portable level give it, bias included.
+    # From amx_min_rows rows the avx512 level multiplies on AMX tiles (int16 activations split into two int8
+    # halves, one exact int32 per block): every row, whatever the tail of rows (past a multiple of 16) or of
+    # columns (past a multiple of 32), must be the bits the vector route and the portable level give it, bias
+    # included.
     lib = kernels.library("avx512")
     assert lib.amx, "AMX is granted here, so the avx512 level must use it"
+    lo = lib.amx_min_rows
+    assert 1 < lo <= 33
     generic = kernels.library("generic")
-    for n, k, m in [(37, 64, 16), (129, 576, 33), (61, 1536, 17), (5, 32, 20), (100, 608, 47), (45, 576, 9)]:
+    for n, k, m in [(37, 64, lo), (129, 576, 33), (61, 1536, 40), (5, 32, lo + 1), (100, 608, 47), (45, 576, 64)]:
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
         x, b = torch.randn(m, k), torch.randn(n)
         tiles = lib.matmul(x, w, qtype, bias=b)
@@ -528,7 +531,8 @@ def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
     for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608)]:
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n + 1))
         b = torch.randn(n)
-        xs = {m: torch.randn(m, k) for m in (1, 4, 5, 8, 9, 17, 33)}
+        lo = lib.amx_min_rows
+        xs = {m: torch.randn(m, k) for m in (1, 4, 5, 8, 9, 17, lo - 1, lo, 33, 47)}
         before = {m: lib.matmul(x, w, qtype, bias=b) for m, x in xs.items()}
         kept = lib.keep_tiles(w, n, k, qtype)
         assert kept is not None and kept.nbytes == (n + 31) // 32 * (k // 32) * 1280
@@ -547,6 +551,7 @@ def test_weights_are_kept_in_tile_layout_only_where_the_tiles_run():
         if not lib.amx:
             assert lib.keep_tiles(w, 64, 64, "Q4_1") is None
     assert kernels.library("generic").keep_tiles(w, 64, 64, "Q4_1") is None
+    assert kernels.library("generic").amx_min_rows == 0  # no tiles at this level
     lib = kernels.active()
     assert lib.keep_tiles(torch.randn(64, 64), 64, 64, "F32") is None  # float weights have no tiles
 
@@ -567,7 +572,7 @@ def test_the_engine_keeps_quantised_weights_in_tile_layout_and_counts_them(monke
     assert model.weight_bytes() >= tiles + quant
     assert "weights kept in tile layout" in kernels.describe()
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    prompt = [list(range(1, 2 + kernels.active().amx_min_rows))]  # a prefill on the tiles
     kept = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
     monkeypatch.setenv("KVINFER_AMX_KEEP", "0")
     plain_llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)

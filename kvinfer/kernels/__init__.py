@@ -181,6 +181,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_fp8_value": ([ctypes.c_uint8], ctypes.c_float),
         "kvq_level": ([], c_int),
         "kvq_amx_enable": ([c_int], c_int),
+        "kvq_amx_min_rows": ([], c_int),
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
         "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
@@ -245,15 +246,20 @@ class Kernels:
             raise RuntimeError(f"{path} is not a {level_name} build")
         self.amx = False
 
+    @property
+    def amx_min_rows(self) -> int:
+        """Rows from which a quantised matmul runs on the AMX tiles when they are on (0: this level has none)."""
+        return int(self.lib.kvq_amx_min_rows())
+
     def set_amx(self, on: bool) -> bool:
-        """Quantised matmuls of 9 rows and more on AMX tiles (the avx512 level, where the OS grants the tile
-        state; the same bits as without). Returns whether they now are."""
+        """Quantised matmuls of amx_min_rows rows and more on AMX tiles (the avx512 level, where the OS grants the
+        tile state; the same bits as without). Returns whether they now are."""
         self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
         return self.amx
 
     def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str) -> Optional["KeptTiles"]:
         """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into AMX tile layout and registered, so that
-        its matmuls of 9 rows and more skip the per-call unpacking. None where the tiles are off or W is not
+        its matmuls of amx_min_rows rows and more skip the per-call unpacking. None where the tiles are off or W is not
         quantised; the copy lives (and stays registered) as long as the result."""
         if not self.amx or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu or w.stride(1) != 1:
             return None
@@ -604,7 +610,7 @@ def describe() -> str:
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     tiles = ""
     if _active.amx:
-        tiles = ", AMX tiles from 9 rows" + (" (weights kept in tile layout)" if keep_tiles_enabled() else "")
+        tiles = f", AMX tiles from {_active.amx_min_rows} rows" + (" (weights kept in tile layout)" if keep_tiles_enabled() else "")
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 

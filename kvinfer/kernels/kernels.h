@@ -20,6 +20,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 /* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. A quantised weight may be kept
  * unpacked in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister). */
 int kvq_amx_enable(int on);
+int kvq_amx_min_rows(void); /* rows from which a quantised matmul runs on the tiles (0: no tiles) */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
 int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles);

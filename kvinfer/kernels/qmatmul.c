@@ -12,10 +12,10 @@
  * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
  * and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns (16 at
- * the AVX-512 level, one column per lane: tile_q16); tiles of up to 8 rows share each decoded block (per row and
+ * the AVX-512 level, one column per lane: tile_q_lanes); tiles of up to 8 rows (16 at the AVX-512 level) share each decoded block (per row and
  * 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level one VNNI vpdpwssd per pair of
  * elements for 16 columns at once, no reduction).
- * From 9 rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32 per block
+ * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32 per block
  * (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of it is
  * what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
  *
@@ -32,7 +32,11 @@
 #endif
 
 #define QK 32
-#define MT_MAX 8                     /* x rows per tile of quantised weights */
+#if KVQ_LEVEL >= 2
+#define MT_MAX 16 /* x rows per tile of quantised weights (a row holds one accumulator at this level) */
+#else
+#define MT_MAX 8 /* x rows per tile of quantised weights */
+#endif
 #define NG 8                         /* output columns per group: one 8-lane vector of results */
 #define MF_MAX 4                     /* x rows per tile of float weights (2 accumulators each in registers) */
 #define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
@@ -164,7 +168,7 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
 #define NG16 16
 
 /* tile_q's arithmetic, 16 columns at a time (see above). */
-static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, const float *dx, const float *sx,
+static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq, const float *dx, const float *sx,
                                                            int64_t nb, const uint8_t *w, int64_t ldw, int qt,
                                                            float *y, int64_t ldy, int64_t n0, int64_t n1,
                                                            int prefetch, const int MT) {
@@ -174,7 +178,7 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
         const uint8_t *rows[NG16];
         for (int u = 0; u < NG16; u++) rows[u] = w + (n + (u < g ? u : g - 1)) * ldw;
         __m512 acc[MT_MAX];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const int64_t off = b * bb;
@@ -192,7 +196,7 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
             const __m512 vm = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
             __m512i R[16];
             load_q16(rows, off, qt, R);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int r = 0; r < MT; r++) {
                 const int16_t *xr = xq + (r * nb + b) * QK;
                 /* four chains of dependent VNNI instructions, not one of 16: a chain's latency, not the
@@ -212,11 +216,11 @@ static inline __attribute__((always_inline)) void tile_q16(const int16_t *xq, co
             }
         }
         const __mmask16 keep = g == NG16 ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(y + r * ldy + n, keep, acc[r]);
     }
 }
-#define tile_q tile_q16
+#define tile_q tile_q_lanes
 #define QNG NG16 /* output columns per group of the quantised route */
 #else
 #define QNG NG
@@ -290,8 +294,22 @@ KVQ_TILE_Q(5)
 KVQ_TILE_Q(6)
 KVQ_TILE_Q(7)
 KVQ_TILE_Q(8)
+#if KVQ_LEVEL >= 2
+KVQ_TILE_Q(9)
+KVQ_TILE_Q(10)
+KVQ_TILE_Q(11)
+KVQ_TILE_Q(12)
+KVQ_TILE_Q(13)
+KVQ_TILE_Q(14)
+KVQ_TILE_Q(15)
+KVQ_TILE_Q(16)
+static const tile_q_fn tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, tile_q4, tile_q5, tile_q6,
+                                              tile_q7, tile_q8, tile_q9, tile_q10, tile_q11, tile_q12,
+                                              tile_q13, tile_q14, tile_q15, tile_q16};
+#else
 static const tile_q_fn tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, tile_q4,
                                               tile_q5, tile_q6, tile_q7, tile_q8};
+#endif
 
 /* ---- float weights ---- */
 
@@ -365,14 +383,18 @@ struct job {
  * A tile multiply takes int8 operands, so each int16 activation is split exactly, x = 256 * hi + lo (hi signed,
  * lo unsigned): D_b = 256 * (hi . q) + (lo . q), two tile products per block, both exact in int32 and so is
  * their sum. The float work after it is tile_q's, operation for operation, 16 lanes at a time (each lane its own
- * IEEE operations, so the width is not part of the result). Used from AMX_MIN_ROWS rows (below it the unpacking
- * of the weights into tile layout is not paid back). */
+ * IEEE operations, so the width is not part of the result). Used from AMX_MIN_ROWS rows (below it the vector route
+ * was faster end to end). */
 #if KVQ_LEVEL >= 2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVQ_HAVE_AMX 1
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_MIN_ROWS 9 /* tiles vs vectors, all of the model's matmuls: 0.94x at 8 rows, 1.11x at 9, 1.31x at 12 */
+/* Tiles vs vectors, end to end (greedy decode of n sequences, the built-in model, Intel Xeon, 2 threads): with 16
+ * columns per VNNI register and 16-row tiles the vector route won up to 20 sequences (9: 750 against 561 tok/s,
+ * 16: 838-845 against 803-820, 20: 807-816 against 764-766), the tiles drew at 24 and won at 32 (928-931 against
+ * 831-857). */
+#define AMX_MIN_ROWS 24
 #define AMX_COLS 32 /* output columns per pass: two 16-column tiles */
 #define AMX_CHUNK 4 /* blocks whose tile products are stored before the float work reads them */
 
@@ -384,6 +406,8 @@ int kvq_amx_enable(int on) {
     if (on >= 0) amx_on = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return amx_on;
 }
+
+int kvq_amx_min_rows(void) { return AMX_MIN_ROWS; }
 
 struct amx_cfg {
     uint8_t palette, start_row, reserved[14];
@@ -656,6 +680,8 @@ int kvq_amx_enable(int on) { /* no tiles at this level */
     (void)on;
     return 0;
 }
+
+int kvq_amx_min_rows(void) { return 0; }
 
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
     (void)N, (void)K, (void)qt;
