@@ -196,7 +196,7 @@ class LLMEngine:
         self.speculator = self._build_speculator() if config.speculative else None
 
     def _build_speculator(self):
-        from kvinfer.spec.speculator import Speculator
+        from kvinfer.spec.speculator import Speculator, default_tokens
 
         c = self.config
         draft = None
@@ -214,7 +214,7 @@ class LLMEngine:
             tokens = max(self.kv_manager.token_capacity, self.max_model_len)
             draft = DraftProposer(dl, -(-tokens // c.block_size) + 1, c.block_size)
             log.info("draft model %s: KV cache %s", c.speculative_model, format_bytes(draft.cache.nbytes))
-        return Speculator(c.speculative, c.num_speculative_tokens, c.ngram_min, c.ngram_max, draft)
+        return Speculator(c.speculative, c.num_speculative_tokens or default_tokens(c.speculative, self.loaded.device), c.ngram_min, c.ngram_max, draft)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
@@ -331,14 +331,26 @@ class LLMEngine:
 
     def step_core(self) -> list[CoreOutput]:
         """Schedule, run the model, sample; token-level outputs of the requests that got tokens."""
-        n = self._greedy_steps()
-        if n > 1:
-            outs = self._step_greedy(n)
-            if outs is not None:
-                return outs
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
-        if self.speculator is not None:
+        if self.speculator is None:
+            n = self._greedy_steps()
+            if n > 1:
+                outs = self._step_greedy(n)
+                if outs is not None:
+                    return outs
+        else:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
+            # A step in which no request proposes is a plain greedy step: the fused one-call path when it can
+            # run (the same bits, less per-step Python), one step at a time so proposals resume the next.
+            if self._greedy_steps(with_speculator=True) >= 1:
+                running = len(self.scheduler.running)
+                outs = self._step_greedy(1)
+                if outs is not None:
+                    self.speculator.rates.observe(time.perf_counter() - t0,
+                                                  self.stats["generation_tokens"] - generated, False, running)
+                    self.speculator.release(self.scheduler.running)
+                    self.stats.update(self.speculator.metrics())
+                    return outs
         sched = self.scheduler.schedule()
         self.stats["steps"] += 1
         touched: dict[str, None] = {}
@@ -372,13 +384,16 @@ class LLMEngine:
         return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
     # ---- several greedy decode steps in one call (vLLM's multi-step scheduling) ------------------------
-    def _greedy_steps(self) -> int:
+    def _greedy_steps(self, with_speculator: bool = False) -> int:
         """How many decode steps the next call may make at once (0 or 1: a normal step). More than one only
         while every running request decodes greedily with nothing for the sampler to change (no penalties, bias,
-        grammar, banned stop tokens) and no request waits for admission, so none waits longer than one call."""
-        n = self.config.num_scheduler_steps
+        grammar, banned stop tokens) and no request waits for admission, so none waits longer than one call.
+        with_speculator: for a step of a speculating engine in which no request proposed; 1 where the fused call
+        can run it, else 0."""
+        n = self.config.num_scheduler_steps if not with_speculator else 2
         sch = self.scheduler
-        if n < 2 or self.speculator is not None or sch.waiting or not sch.running or self._pending_forks:
+        if (n < 2 or (self.speculator is not None) != with_speculator or sch.waiting or not sch.running
+                or self._pending_forks):
             return 0
         for r in sch.running:
             p = r.params
@@ -389,7 +404,9 @@ class LLMEngine:
         if n < 2:
             return 0
         fused = self.runner._fused_decode()
-        return n if fused is not None and fused.greedy_steps_ok else 0
+        if fused is None or not fused.greedy_steps_ok:
+            return 0
+        return 1 if with_speculator else n
 
     def _step_greedy(self, n: int) -> Optional[list[CoreOutput]]:
         """Up to n greedy decode steps of every running request in one C call; None (nothing changed) if the KV
