@@ -432,7 +432,8 @@ class EngineConfig:
     # Speculative decoding: None, "ngram" (prompt lookup) or "draft" (speculative_model proposes).
     speculative: Optional[str] = None
     speculative_model: Optional[str] = None
-    num_speculative_tokens: int = 4
+    # Most tokens proposed per step; None: spec.speculator.default_tokens (by method and machine).
+    num_speculative_tokens: Optional[int] = None
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -504,7 +505,7 @@ class EngineConfig:
                                   "is needed for speculative='draft' (a draft model path)")
         if self.speculative_model and self.speculative != "draft":
             raise ValidationError("speculative", self.speculative, "must be 'draft' when speculative_model is given")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise ValidationError("num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 16]")
         if not isinstance(self.ngram_min, int) or self.ngram_min < 1:
             raise ValidationError("ngram_min", self.ngram_min, "must be an integer >= 1")

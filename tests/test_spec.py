@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kvinfer import LLM, SamplingParams
+from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.errors import ValidationError
 from kvinfer.kv.manager import PagedKVManager
 from kvinfer.request import Request
@@ -265,6 +265,19 @@ def test_a_different_draft_keeps_the_greedy_output(tiny_llama_dir, baseline, oth
     assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] < st["spec_draft_tokens"]
 
 
+def test_proposal_length_defaults_per_method_and_machine(monkeypatch):
+    from kvinfer import kernels
+    from kvinfer.spec.speculator import default_tokens
+
+    assert default_tokens("draft", torch.device("cpu")) == 4  # every proposed token costs a draft step
+    assert default_tokens("ngram", torch.device("cuda")) == 8
+    monkeypatch.setattr(kernels, "level", lambda: "avx512")  # a verified row costs ~1/5 of a step there
+    assert default_tokens("ngram", torch.device("cpu")) == 8
+    for lower in ("avx2", "generic", None):
+        monkeypatch.setattr(kernels, "level", lambda: lower)
+        assert default_tokens("ngram", torch.device("cpu")) == 4
+
+
 def test_bad_speculative_settings_are_named(tiny_llama_dir, tmp_path):
     with pytest.raises(ValidationError, match="speculative_model"):
         LLM(tiny_llama_dir, speculative="draft")
@@ -383,8 +396,12 @@ def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_
     ref = [builtin_llm.generate([p], sp)[0] for p in ps] + builtin_llm.generate(ps, sp)  # alone, then batched
     eng = builtin_llm.engine
     llm = LLM(config=eng.config.replace(speculative="ngram"), loaded=eng.loaded)
+    plain_steps = []  # steps in which no request proposed go through the fused one-call greedy path
+    step_greedy = llm.engine._step_greedy
+    llm.engine._step_greedy = lambda n: plain_steps.append(n) or step_greedy(n)
     outs = [llm.generate([p], sp)[0] for p in ps] + llm.generate(ps, sp)
     assert_same(outs, ref)  # tokens and logprobs, bit for bit
+    assert plain_steps and set(plain_steps) == {1}
     stop = SamplingParams(temperature=0, max_tokens=40, stop=["harbour"])  # a stop string inside the copy
     a, b = builtin_llm.generate([ps[1]], stop)[0].outputs[0], llm.generate([ps[1]], stop)[0].outputs[0]
     assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, "stop", "harbour")
@@ -408,6 +425,7 @@ def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
         assert r["speedup"] == pytest.approx(r["tps_on"] / r["tps_off"])
         assert 0 <= r["accepted"] <= r["proposed"]
     assert res["rows"][0]["accepted"] > 0 and res["speculative"] == "n-gram 1..4"
+    assert res["num_speculative_tokens"] == (8 if kernels.level() == "avx512" else 4)
     # Rounds: off and on back to back in each, the speed-up the median of the rounds' own ratios
     assert main(["bench", "spec", "--prompts", "1", "--max-tokens", "8", "--throughput-requests", "0", "--rounds", "3",
                  "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--json"]) == 0

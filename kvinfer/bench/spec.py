@@ -112,6 +112,7 @@ def cmd_spec(args) -> int:
     engines = {mode: LLMEngine(mcfg, loaded=loaded)
                for mode, mcfg in (("off", cfg.replace(speculative=None, speculative_model=None)), ("on", cfg))}
     label = _model_label(engines["on"])
+    k = engines["on"].speculator.k
     for engine in engines.values():
         _run(engine, [extractive[0][:16]], [SamplingParams(temperature=0, max_tokens=8)])  # warm-up, not measured
     results: dict[str, dict] = {name: {"off": [], "on": []} for name, *_ in phases}
@@ -141,11 +142,11 @@ def cmd_spec(args) -> int:
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
         print(json.dumps(dict(model=label, machine=machine(), threads=_threads(), speculative=how,
-                              num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=args.max_tokens,
+                              num_speculative_tokens=k, max_tokens=args.max_tokens,
                               rounds=args.rounds, rows=rows), indent=2))
         return 0
     print(f"kvinfer bench spec: {label}, {_threads()} threads, speculative {how}, "
-          f"k={cfg.num_speculative_tokens}, greedy; extractive prompts up to {args.max_tokens} new tokens")
+          f"k={k}, greedy; extractive prompts up to {args.max_tokens} new tokens")
     print(machine_line())
     print(f"{'workload':<36}{'off tok/s':>10}{'on tok/s':>10}{'speed-up':>10}{'accepted':>10}"
           f"{'mean len':>10}{'identical':>11}")
