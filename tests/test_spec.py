@@ -144,6 +144,29 @@ def test_a_sequence_sitting_out_still_proposes_a_full_length_match():
     assert r.spec_token_ids == [1, 2, 3, 4] and spec.states["a"].skip == 6
 
 
+def test_a_pause_still_lets_full_length_matches_propose_but_not_probe_steps():
+    from kvinfer.spec.speculator import Speculator, StepRates
+
+    spec = Speculator("ngram", 4, rates=StepRates(probe_every=4, pause_steps=6))
+    r = Request("a", [5, 6, 7, 8, 1, 2, 3], SamplingParams(max_tokens=50))
+    r.output_token_ids, r.num_computed_tokens = [4, 5, 6], 9  # 5 6 7 8 1 2 3 4 5 6: a 2-gram match only
+    spec.rates._of(1).paused = 6  # verification steps were behind the plain ones: 6 steps without proposals
+    spec.propose([r], 1024)  # step 1
+    assert r.spec_token_ids == []  # a weak match waits out the pause
+    r.output_token_ids += [7, 8]  # ... 5 6 7 8: a 4-gram match, copying again
+    r.num_computed_tokens = 11
+    spec.propose([r], 1024)  # step 2
+    assert r.spec_token_ids == [1, 2, 3, 4]
+    r.output_token_ids += [1, 2]  # ... 7 8 1 2: a 4-gram match again
+    r.num_computed_tokens = 13
+    proposed = []
+    for _ in range(8):  # steps 3-6 in the pause, then 7-10 with step 8 a probe of the plain rate
+        spec.propose([r], 1024)
+        proposed.append(r.spec_token_ids)
+    assert spec.rates.paused(1) == 0
+    assert proposed == [[3, 4, 5, 6]] * 5 + [[]] + [[3, 4, 5, 6]] * 2
+
+
 def test_clearly_paying_speculation_probes_the_plain_rate_less_often():
     from kvinfer.spec.speculator import MIN_SAMPLES, PROBE_SPREAD, StepRates
 

@@ -139,7 +139,8 @@ class Speculator:
     rises with the number of running sequences (the more rows share a step, the more it is bound by
     arithmetic, and a rejected row is pure cost); a sequence sitting out still proposes when the n-gram that
     matched is --ngram-max (at least STRONG_MATCH) tokens long, the sign that it is copying again. Per engine,
-    StepRates stops proposals while verification steps emit fewer tokens per second than plain ones.
+    StepRates pauses proposals while verification steps emit fewer tokens per second than plain ones; during a
+    pause, too, such a full-length match is still proposed (a copy inside a rewrite is where speculation pays).
     """
 
     def __init__(self, method: str, k: int, ngram_min: int = 1, ngram_max: int = 4, draft=None,
@@ -160,10 +161,13 @@ class Speculator:
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Sets spec_token_ids (and spec_probs) on the running requests that should propose this step."""
         cands = []
+        paused_before = self.rates.paused(len(running)) > 0
         allowed = self.rates.allow(len(running))
+        # While the weaker proposals are paused, a full-length n-gram match (a copy going on) is still proposed.
+        strong_only = not allowed and paused_before and self.method == "ngram"
         for r in running:
             r.spec_token_ids, r.spec_probs = [], None
-            if not allowed:
+            if not allowed and not strong_only:
                 continue
             # Only sequences in decode (one pending token) with a first output token (n > 1 forks happen then).
             if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
@@ -179,8 +183,8 @@ class Speculator:
             k = min(st.k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if st.index is not None:  # n-gram: a sequence sitting out still proposes on a full-length match
                 toks, n = st.index.propose_match(r.all_token_ids, k) if k > 0 else ([], 0)
-                if st.skip > 0:
-                    st.skip -= 1
+                if st.skip > 0 or strong_only:
+                    st.skip = max(0, st.skip - 1)
                     if n < max(STRONG_MATCH, self.ngram_max):
                         continue
                 r.spec_token_ids = toks
