@@ -113,7 +113,8 @@ def default_tokens(method: str, device) -> int:
     draft step each: 4. Prompt lookup's cost nothing, and what a verified row costs decides: 8 where it is cheap
     (a GPU; the AVX-512 kernels, where a 9-row verification costs about 2.2 one-row steps and k=8 measured
     1.34-1.41x against 1.31-1.33x for k=4 single stream), 4 on the AVX2 and portable kernels (a row costs about a
-    third of a one-row step; k=8 measured 1.10x against 1.2-1.4x there)."""
+    third of a one-row step; k=8 measured 1.10x against 1.2-1.4x on an AMD EPYC, and no better than k=4 on the
+    Intel Xeon forced to the AVX2 kernels)."""
     if method == "draft":
         return 4
     if getattr(device, "type", device) == "cpu":
