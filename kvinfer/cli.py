@@ -126,8 +126,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     s.add_argument("--speculative-model", default=None, metavar="PATH",
                    help="draft model with the target's tokenizer (implies --speculative draft)")
     s.add_argument("--num-speculative-tokens", type=int_at_least("--num-speculative-tokens"), default=None,
-                   help="most tokens proposed per step, 1-16 (default: ngram 8 on AVX-512 CPUs and GPUs, 4 on other CPUs; a "
-                        "draft model 4)")
+                   help="most tokens proposed per step, 1-16 (default: ngram 8 on AVX-512 CPUs and GPUs, 4 on "
+                        "other CPUs; a draft model 4)")
     s.add_argument("--ngram-min", type=int_at_least("--ngram-min"), default=1,
                    help="shortest n-gram looked up (default 1)")
     s.add_argument("--ngram-max", type=int_at_least("--ngram-max"), default=4,

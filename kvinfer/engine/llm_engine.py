@@ -214,7 +214,8 @@ class LLMEngine:
             tokens = max(self.kv_manager.token_capacity, self.max_model_len)
             draft = DraftProposer(dl, -(-tokens // c.block_size) + 1, c.block_size)
             log.info("draft model %s: KV cache %s", c.speculative_model, format_bytes(draft.cache.nbytes))
-        return Speculator(c.speculative, c.num_speculative_tokens or default_tokens(c.speculative, self.loaded.device), c.ngram_min, c.ngram_max, draft)
+        k = c.num_speculative_tokens or default_tokens(c.speculative, self.loaded.device)
+        return Speculator(c.speculative, k, c.ngram_min, c.ngram_max, draft)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""

@@ -259,8 +259,8 @@ class Kernels:
 
     def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str) -> Optional["KeptTiles"]:
         """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into AMX tile layout and registered, so that
-        its matmuls of amx_min_rows rows and more skip the per-call unpacking. None where the tiles are off or W is not
-        quantised; the copy lives (and stays registered) as long as the result."""
+        its matmuls of amx_min_rows rows and more skip the per-call unpacking. None where the tiles are off or W is
+        not quantised; the copy lives (and stays registered) as long as the result."""
         if not self.amx or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu or w.stride(1) != 1:
             return None
         qt = QTYPES[qtype]
@@ -610,7 +610,8 @@ def describe() -> str:
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     tiles = ""
     if _active.amx:
-        tiles = f", AMX tiles from {_active.amx_min_rows} rows" + (" (weights kept in tile layout)" if keep_tiles_enabled() else "")
+        kept = " (weights kept in tile layout)" if keep_tiles_enabled() else ""
+        tiles = f", AMX tiles from {_active.amx_min_rows} rows{kept}"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 

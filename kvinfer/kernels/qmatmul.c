@@ -12,11 +12,11 @@
  * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
  * and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns (16 at
- * the AVX-512 level, one column per lane: tile_q_lanes); tiles of up to 8 rows (16 at the AVX-512 level) share each decoded block (per row and
- * 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level one VNNI vpdpwssd per pair of
- * elements for 16 columns at once, no reduction).
- * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32 per block
- * (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of it is
+ * the AVX-512 level, one column per lane: tile_q_lanes); tiles of up to 8 rows (16 at the AVX-512 level) share
+ * each decoded block (per row and 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level
+ * one VNNI vpdpwssd per pair of elements for 16 columns at once, no reduction).
+ * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32
+ * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of it is
  * what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
  *
  * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
