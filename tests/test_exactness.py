@@ -206,3 +206,17 @@ def test_every_isa_level_gives_the_same_bits_end_to_end(tiny_llama_dir):
     first = runs[levels[0]]
     for lv in levels[1:]:
         assert runs[lv] == first, lv
+
+
+def test_a_cpu_dtype_without_the_guarantee_says_so(tiny_llama_dir, caplog):
+    # bfloat16 on the CPU runs eager PyTorch (oneDNN's blocking follows the batch shape): the engine warns at start-up
+    # that outputs may depend on batching; float32, the CPU default, does not warn.
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvinfer"):
+        LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu"))
+    assert any("bfloat16 on the CPU" in r.getMessage() and "batched" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvinfer"):
+        LLMEngine(EngineConfig(model=tiny_llama_dir, device="cpu"))
+    assert not [r for r in caplog.records if "eager PyTorch path" in r.getMessage()]

@@ -160,6 +160,11 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = resolve_max_model_len(config, mc)
         dtype, device = self.loaded.dtype, self.loaded.device
+        if device.type == "cpu" and dtype != torch.float32:
+            log.warning("dtype %s on the CPU runs the eager PyTorch path: no quantised kernels or fused decode step, "
+                        "and a request's output may depend on how it is batched or chunked (`kvinfer bench exact "
+                        "--dtype ...` shows it); float32, the CPU default, keeps them identical",
+                        str(dtype).replace("torch.", ""))
         self.tp = None  # TensorParallel on rank 0 when tensor_parallel_size > 1
         kv_cfg = mc  # the shapes this process's KV cache holds: a rank's share of the KV heads under TP
         if config.tensor_parallel_size > 1:
