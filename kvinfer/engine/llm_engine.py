@@ -338,25 +338,20 @@ class LLMEngine:
     def step_core(self) -> list[CoreOutput]:
         """Schedule, run the model, sample; token-level outputs of the requests that got tokens."""
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
-        if self.speculator is None:
-            n = self._greedy_steps()
-            if n > 1:
-                outs = self._step_greedy(n)
-                if outs is not None:
-                    return outs
-        else:
+        spec = self.speculator is not None
+        if spec:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
-            # A step in which no request proposes is a plain greedy step: the fused one-call path when it can
-            # run (the same bits, less per-step Python), one step at a time so proposals resume the next.
-            if self._greedy_steps(with_speculator=True) >= 1:
-                running = len(self.scheduler.running)
-                outs = self._step_greedy(1)
-                if outs is not None:
-                    self.speculator.rates.observe(time.perf_counter() - t0,
-                                                  self.stats["generation_tokens"] - generated, False, running)
-                    self.speculator.release(self.scheduler.running)
-                    self.stats.update(self.speculator.metrics())
-                    return outs
+        # Greedy decode with nothing for the sampler to change runs fused in one C call (the same bits, less
+        # Python): up to --num-scheduler-steps steps; with speculation on, one step in which no request proposed
+        # (proposals may resume the next). Without it a lone step goes the general way below.
+        n = self._greedy_steps(1 if spec else self.config.num_scheduler_steps)
+        if n > (0 if spec else 1):
+            running = len(self.scheduler.running)
+            outs = self._step_greedy(n)
+            if outs is not None:
+                if spec:
+                    self._after_speculator_step(t0, generated, False, running)
+                return outs
         sched = self.scheduler.schedule()
         self.stats["steps"] += 1
         touched: dict[str, None] = {}
@@ -376,30 +371,35 @@ class LLMEngine:
             if sampled:
                 forked = self._fork_siblings(sampled)  # a stage of its own, before any sampling
                 self._sample_and_update(logits, sampled, forked, touched)
-            if self.speculator is not None:
-                if all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled):  # decode only
-                    self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
-                                                  any(s.spec_token_ids for s in sched.scheduled),
-                                                  len(sched.scheduled))
-                self.speculator.release(self.scheduler.running)
-                self.stats.update(self.speculator.metrics())
+            if spec:
+                self._after_speculator_step(t0, generated, any(s.spec_token_ids for s in sched.scheduled),
+                                            len(sched.scheduled),
+                                            all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled))
         return self._outputs(touched)
+
+    def _after_speculator_step(self, t0: float, generated: int, speculated: bool, num_seqs: int,
+                               decode_only: bool = True) -> None:
+        """Speculation's bookkeeping after a step that began at t0 with `generated` tokens emitted so far: the
+        rate of a decode-only step, requests no longer running released, the acceptance counters."""
+        if decode_only:
+            self.speculator.rates.observe(time.perf_counter() - t0, self.stats["generation_tokens"] - generated,
+                                          speculated, num_seqs)
+        self.speculator.release(self.scheduler.running)
+        self.stats.update(self.speculator.metrics())
 
     def _outputs(self, touched) -> list[CoreOutput]:
         """The core outputs of the groups that got tokens this step (those still known)."""
         return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
     # ---- several greedy decode steps in one call (vLLM's multi-step scheduling) ------------------------
-    def _greedy_steps(self, with_speculator: bool = False) -> int:
-        """How many decode steps the next call may make at once (0 or 1: a normal step). More than one only
+    def _greedy_steps(self, most: int) -> int:
+        """How many greedy decode steps, up to `most`, the next call may make fused in one C call (0: none). Only
         while every running request decodes greedily with nothing for the sampler to change (no penalties, bias,
-        grammar, banned stop tokens) and no request waits for admission, so none waits longer than one call.
-        with_speculator: for a step of a speculating engine in which no request proposed; 1 where the fused call
-        can run it, else 0."""
-        n = self.config.num_scheduler_steps if not with_speculator else 2
+        grammar, banned stop tokens, proposed tokens) and no request waits for admission, so none waits longer
+        than one call."""
+        n = most
         sch = self.scheduler
-        if (n < 2 or (self.speculator is not None) != with_speculator or sch.waiting or not sch.running
-                or self._pending_forks):
+        if n < 1 or sch.waiting or not sch.running or self._pending_forks:
             return 0
         for r in sch.running:
             p = r.params
@@ -407,12 +407,10 @@ class LLMEngine:
                     or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
                 return 0
             n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
-        if n < 2:
+        if n < 1:
             return 0
         fused = self.runner._fused_decode()
-        if fused is None or not fused.greedy_steps_ok:
-            return 0
-        return 1 if with_speculator else n
+        return n if fused is not None and fused.greedy_steps_ok else 0
 
     def _step_greedy(self, n: int) -> Optional[list[CoreOutput]]:
         """Up to n greedy decode steps of every running request in one C call; None (nothing changed) if the KV

@@ -16,8 +16,8 @@
  * each decoded block (per row and 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level
  * one VNNI vpdpwssd per pair of elements for 16 columns at once, no reduction).
  * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32
- * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of it is
- * what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
+ * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of
+ * it is what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
  *
  * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
  */
@@ -168,10 +168,10 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
 #define NG16 16
 
 /* tile_q's arithmetic, 16 columns at a time (see above). */
-static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq, const float *dx, const float *sx,
-                                                           int64_t nb, const uint8_t *w, int64_t ldw, int qt,
-                                                           float *y, int64_t ldy, int64_t n0, int64_t n1,
-                                                           int prefetch, const int MT) {
+static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq, const float *dx,
+                                                               const float *sx, int64_t nb, const uint8_t *w,
+                                                               int64_t ldw, int qt, float *y, int64_t ldy,
+                                                               int64_t n0, int64_t n1, int prefetch, const int MT) {
     const int bb = block_bytes(qt);
     for (int64_t n = n0; n < n1; n += NG16) {
         const int g = n1 - n < NG16 ? (int)(n1 - n) : NG16;
@@ -383,8 +383,8 @@ struct job {
  * A tile multiply takes int8 operands, so each int16 activation is split exactly, x = 256 * hi + lo (hi signed,
  * lo unsigned): D_b = 256 * (hi . q) + (lo . q), two tile products per block, both exact in int32 and so is
  * their sum. The float work after it is tile_q's, operation for operation, 16 lanes at a time (each lane its own
- * IEEE operations, so the width is not part of the result). Used from AMX_MIN_ROWS rows (below it the vector route
- * was faster end to end). */
+ * IEEE operations, so the width is not part of the result). Used from AMX_MIN_ROWS rows (below it the vector
+ * route was faster end to end). */
 #if KVQ_LEVEL >= 2 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KVQ_HAVE_AMX 1
 #include <pthread.h>
