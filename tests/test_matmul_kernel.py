@@ -520,43 +520,64 @@ def test_embedding_rows_in_c_are_the_dequantized_rows_on_every_level(qtype):
         assert torch.equal(emb(ids), full[ids])
 
 
-@pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
+AVX512 = kernels.best_level() == "avx512"
+
+
+def kept_bytes(qtype: str, n: int, k: int) -> int:
+    """The kept copy's size: per 16 output columns, the quants (Q8_0: 512 bytes a block, 4-bit: the 256 bytes of
+    nibbles) and the blocks' fp16 d (and Q4_1's m), rounded up to 64 bytes."""
+    per_block = (512 if qtype == "Q8_0" else 256) + 32 * (2 if qtype == "Q4_1" else 1)
+    return (n + 15) // 16 * ((k // 32 * per_block + 63) // 64 * 64)
+
+
+@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 VNNI (the level that keeps weights in tile layout)")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
-    # A weight kept in tile layout (unpacked once, registered under its address) is multiplied on the tiles without
-    # unpacking: every row count must still give the vector route's and the portable level's bits, and releasing
-    # the copy must put the weight back on the per-call route.
+    # A weight kept in tile layout (unpacked once, registered under its address) is read by both quantised routes
+    # of the avx512 level: the vector route (kept_rows: unsigned activation bytes x signed quants, vpdpbusd, no
+    # per-block transpose) and, from amx_min_rows rows, the AMX tiles without unpacking. Every row count, with the
+    # tiles on and off and on 1 or 2 threads, must still give the GGML-row route's and the portable level's bits,
+    # and releasing the copy must put the weight back on the GGML rows.
     lib = kernels.library("avx512")
     generic = kernels.library("generic")
-    for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608)]:
+    amx = lib.amx
+    for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608), (16, 32), (3, 32)]:
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n + 1))
         b = torch.randn(n)
-        lo = lib.amx_min_rows
-        xs = {m: torch.randn(m, k) for m in (1, 4, 5, 8, 9, 17, lo - 1, lo, 33, 47)}
+        lo = lib.amx_min_rows or 24
+        xs = {m: torch.randn(m, k) * 10.0 ** (m % 7 - 3) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, lo - 1, lo, 33, 47)}
+        xs[5][2] = 0.0  # an all-zero row: every block's scale 0
         before = {m: lib.matmul(x, w, qtype, bias=b) for m, x in xs.items()}
         kept = lib.keep_tiles(w, n, k, qtype)
-        assert kept is not None and kept.nbytes == (n + 31) // 32 * (k // 32) * 1280
-        for m, x in xs.items():
-            y = lib.matmul(x, w, qtype, bias=b)
-            assert torch.equal(y, before[m]), (n, k, m)
-            assert torch.equal(y, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
+        assert kept is not None and kept.nbytes == kept_bytes(qtype, n, k)
+        try:
+            for tiles in ([True, False] if amx else [False]):
+                lib.set_amx(tiles)
+                for m, x in xs.items():
+                    for nt in (1, 2):
+                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt)
+                        assert torch.equal(y, before[m]), (n, k, m, tiles, nt)
+                    assert torch.equal(y, generic.matmul(x, w, qtype, bias=b)), (n, k, m, tiles)
+        finally:
+            lib.set_amx(amx)
         kept.release()
         assert all(torch.equal(lib.matmul(x, w, qtype, bias=b), before[m]) for m, x in xs.items())
 
 
-def test_weights_are_kept_in_tile_layout_only_where_the_tiles_run():
+def test_weights_are_kept_in_tile_layout_only_at_the_avx512_level():
     w = torch.from_numpy(make_raw("Q4_1", 64, 64, seed=3))
     for lv in [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]:
         lib = kernels.library(lv)
-        if not lib.amx:
-            assert lib.keep_tiles(w, 64, 64, "Q4_1") is None
-    assert kernels.library("generic").keep_tiles(w, 64, 64, "Q4_1") is None
+        kept = lib.keep_tiles(w, 64, 64, "Q4_1")
+        assert (kept is not None) == (lv == "avx512") == lib.keeps_tiles, lv
+        if kept is not None:
+            kept.release()
     assert kernels.library("generic").amx_min_rows == 0  # no tiles at this level
     lib = kernels.active()
     assert lib.keep_tiles(torch.randn(64, 64), 64, 64, "F32") is None  # float weights have no tiles
 
 
-@pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
+@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 VNNI (the level that keeps weights in tile layout)")
 def test_the_engine_keeps_quantised_weights_in_tile_layout_and_counts_them(monkeypatch):
     from kvinfer import LLM, SamplingParams
     from kvinfer.layers.quant_linear import QuantLinear

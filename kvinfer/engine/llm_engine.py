@@ -50,12 +50,13 @@ def available_memory(device: torch.device) -> int:
 
 
 def _keep_tiles(model) -> None:
-    """Where AMX tiles run the quantised matmuls, unpack each quantised linear's weight into tile layout now
-    (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the weights' memory."""
+    """Where the kernels read quantised weights in tile layout (the avx512 level), unpack each quantised linear's
+    weight into it now (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the
+    weights' memory."""
     from kvinfer import kernels
     from kvinfer.layers.quant_linear import QuantLinear
 
-    if model is None or not (kernels.available() and kernels.active().amx and kernels.keep_tiles_enabled()):
+    if model is None or not (kernels.available() and kernels.active().keeps_tiles and kernels.keep_tiles_enabled()):
         return
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.raw.is_cpu:

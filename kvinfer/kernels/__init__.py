@@ -5,8 +5,9 @@ from __future__ import annotations
 
 # Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
 # best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid
-# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 9
-# rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way);
+# and XCR0); KVINFER_ISA=generic|avx2|avx512 asks for a lower one; at the avx512 level, quantised matmuls of 24
+# rows and more run on AMX tiles where the OS grants them (KVINFER_AMX=0: not; the same bits either way), and
+# quantised weights are kept in a VNNI/tile layout that both routes read (KVINFER_AMX_KEEP=0: not);
 # KVINFER_KERNELS=0 turns the kernels off (the eager PyTorch path, which is not batch-invariant). Libraries are
 # cached in $KVINFER_CACHE/kernels/<hash>/ ($KVINFER_CACHE defaults to ~/.cache/kvinfer, or
 # $XDG_CACHE_HOME/kvinfer), keyed by level, sources, compiler and flags. $CC picks the compiler (default gcc).
@@ -257,11 +258,21 @@ class Kernels:
         self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
         return self.amx
 
+    @property
+    def keeps_tiles(self) -> bool:
+        """Whether this level reads quantised weights from a copy in tile layout (keep_tiles): the avx512 level,
+        AMX or not (its vector route reads that layout too)."""
+        return self.level == "avx512"
+
     def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str) -> Optional["KeptTiles"]:
-        """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into AMX tile layout and registered, so that
-        its matmuls of amx_min_rows rows and more skip the per-call unpacking. None where the tiles are off or W is
-        not quantised; the copy lives (and stays registered) as long as the result."""
-        if not self.amx or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu or w.stride(1) != 1:
+        """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into tile layout (per 16 output columns: the
+        quants as VNNI instructions and AMX tiles take them, then the blocks' scales; as many bytes as the GGML
+        rows for Q8_0) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking,
+        and the vector route without its per-block transpose (1.05-1.17x at 2-16 rows, Intel Xeon). None below
+        the avx512 level or where W is not quantised; the copy lives (and stays registered) as long as the
+        result."""
+        if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
+                or w.stride(1) != 1):
             return None
         qt = QTYPES[qtype]
         nbytes = self.lib.kvq_amx_tiles_bytes(n, k, qt)
@@ -562,9 +573,8 @@ def _init() -> None:
 
 
 def keep_tiles_enabled() -> bool:
-    """Whether quantised weights are kept in AMX tile layout where the tiles are used (default; KVINFER_AMX_KEEP=0
-    unpacks them per call instead: 1.25 bytes per weight less memory; batched decode of 12-16 sequences 1.16-1.25x
-    slower on an Intel Xeon)."""
+    """Whether quantised weights are kept in tile layout at the avx512 level (default; KVINFER_AMX_KEEP=0 reads
+    the GGML rows instead: about 1 byte per weight less memory; the AMX tiles then unpack them per call)."""
     return not _off("KVINFER_AMX_KEEP")
 
 
@@ -610,8 +620,9 @@ def describe() -> str:
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     tiles = ""
     if _active.amx:
-        kept = " (weights kept in tile layout)" if keep_tiles_enabled() else ""
-        tiles = f", AMX tiles from {_active.amx_min_rows} rows{kept}"
+        tiles = f", AMX tiles from {_active.amx_min_rows} rows"
+    if _active.keeps_tiles and keep_tiles_enabled():
+        tiles += " (weights kept in tile layout)"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 

@@ -17,8 +17,9 @@ enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
                const float *bias, float *y, int64_t ldy, int nthreads);
 
-/* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. A quantised weight may be kept
- * unpacked in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister). */
+/* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level a quantised
+ * weight may be kept in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister); both
+ * the AMX and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE). */
 int kvq_amx_enable(int on);
 int kvq_amx_min_rows(void); /* rows from which a quantised matmul runs on the tiles (0: no tiles) */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);

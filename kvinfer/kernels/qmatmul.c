@@ -18,6 +18,9 @@
  * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32
  * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of
  * it is what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
+ * At the AVX-512 level a weight kept in tile layout (kvq_amx_tiles_pack) is read by both routes: the tiles, and
+ * below them kept_rows, whose vpdpbusd multiplies the activations' two bytes by the quants as stored: again the
+ * same int32 per block.
  *
  * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
  */
@@ -377,6 +380,7 @@ struct job {
     int qt;
     const int16_t *xq;
     const float *dx, *sx;
+    const uint8_t *xu, *kept; /* kept_rows' activation bytes and the weight's kept copy, or NULL */
 };
 
 /* ---- AMX tiles (the avx512 level, when the OS grants the tile state): the same D_b, 16 rows x 32 columns ----
@@ -487,33 +491,94 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
 
 /* ---- weights kept in tile layout ----
  * Unpacking a pass of weights costs about a third of a 16-row matmul, every call. A weight may instead be
- * unpacked once (kvq_amx_tiles_pack: pass after pass, amx_pack's bt, then d, then m) and registered under its
- * address; matmuls of that weight then load their tiles straight from it. The copy costs 1.25 bytes per weight
- * (Q4_1 blocks: 0.625). Same bytes into the same tile products: same results. Intel Xeon, 2 threads, built-in
- * model, 128 greedy tokens for each of n sequences: 1.16x at 12, 1.16-1.25x at 16. Kept tiles did not pay below 9
- * rows there (0.82x at 6 sequences, even at 8) although all of the model's matmuls timed alone in a loop said
- * 1.15x at 6 rows and 1.4x at 8. */
-static int64_t amx_pass_bytes(int64_t nb) { return nb * (2 * 8 * 64 + 2 * AMX_COLS * (int64_t)sizeof(float)); }
+ * unpacked once (kvq_amx_tiles_pack) and registered under its address; its matmuls then read that copy: the AMX
+ * route loads its tiles straight from it, and below AMX_MIN_ROWS (or with the tiles off) the vector route's
+ * kept_rows reads it instead of transposing the GGML blocks. Per 16 output columns (a group, kept_group_bytes
+ * apart): a plane of quants, block after block (kept_quants: Q8_0 as 8 rows of 64 bytes, row k holding quants
+ * 32 b + 4 k + i of each column; 4-bit types as the GGML nibbles, 4 rows), then the blocks' d of the 16 columns
+ * as fp16 bits, then (Q4_1) their m. That is the GGML bytes' size (Q8_0: 544 per block of 16 columns, Q4_1:
+ * 320), so a one-row decode reads no more than from the GGML rows. Same quants into the same exact integer
+ * products: same results. Intel Xeon, 2 threads, built-in model, 128 greedy tokens for each of n sequences (the
+ * earlier 32-column layout, AMX route): 1.16x at 12, 1.16-1.25x at 16. */
+#define KEPT_COLS 16
+static int kept_qbytes(int qt) { return qt == QT_Q8_0 ? 8 * 64 : 4 * 64; } /* quants of a block of 16 columns */
+static int64_t kept_group_bytes(int64_t nb, int qt) {
+    const int64_t b = nb * (kept_qbytes(qt) + KEPT_COLS * 2 * (qt == QT_Q4_1 ? 2 : 1));
+    return (b + 63) / 64 * 64;
+}
+
+/* Block b's quants of a kept group as 8 rows of 64 signed bytes (row k: quants 4k..4k+3 of each column). A 4-bit
+ * group keeps the GGML nibbles, row k (k < 4) holding the 4 bytes 4k..4k+3 of each column's block: low nibbles are
+ * quants 4k.., high nibbles quants 16 + 4k... */
+static inline __attribute__((always_inline)) void kept_quants(const uint8_t *gq, int64_t b, int qt, __m512i W[8]) {
+    if (qt == QT_Q8_0) {
+        for (int k = 0; k < 8; k++) W[k] = _mm512_load_si512(gq + b * 512 + 64 * k);
+        return;
+    }
+    const __m512i lo = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    for (int k = 0; k < 4; k++) {
+        const __m512i v = _mm512_load_si512(gq + b * 256 + 64 * k);
+        W[k] = _mm512_and_si512(v, lo);
+        W[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+        if (qt == QT_Q4_0) W[k] = _mm512_sub_epi8(W[k], eight), W[k + 4] = _mm512_sub_epi8(W[k + 4], eight);
+    }
+}
 
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
     if (!block_bytes(qt) || K <= 0 || K % QK || N <= 0) return 0;
-    return (N + AMX_COLS - 1) / AMX_COLS * amx_pass_bytes(K / QK);
+    return (N + KEPT_COLS - 1) / KEPT_COLS * kept_group_bytes(K / QK, qt);
 }
 
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
-    const int64_t bytes = kvq_amx_tiles_bytes(N, K, qt), nb = K / QK, pb = amx_pass_bytes(nb);
+    const int64_t bytes = kvq_amx_tiles_bytes(N, K, qt), nb = K / QK;
     if (!bytes) return KVQ_EBADSHAPE;
     if (ldw < nb * block_bytes(qt)) return KVQ_EROWBYTES;
     if ((uintptr_t)dst % 64) return KVQ_EBADSHAPE;
-    const int64_t passes = (N + AMX_COLS - 1) / AMX_COLS;
-#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t p = 0; p < passes; p++) {
-        uint8_t *o = dst + p * pb;
-        const int64_t c0 = p * AMX_COLS, c1 = c0 + AMX_COLS < N ? c0 + AMX_COLS : N;
-        amx_pack(w, ldw, qt, nb, c0, c1, (int8_t *)o, (float *)(o + nb * 1024),
-                 (float *)(o + nb * 1024 + nb * AMX_COLS * sizeof(float)));
+    const int64_t passes = (N + AMX_COLS - 1) / AMX_COLS, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt);
+    int rc = KVQ_OK;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+        float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+        float *m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+        if (!bt || !d || !m) {
+#pragma omp atomic write
+            rc = KVQ_ENOMEM;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < passes; p++) {
+                const int64_t c0 = p * AMX_COLS, c1 = c0 + AMX_COLS < N ? c0 + AMX_COLS : N;
+                if (qt == QT_Q8_0) amx_pack(w, ldw, qt, nb, c0, c1, bt, d, m);
+                for (int t = 0; t < 2 && c0 + KEPT_COLS * t < N; t++) {
+                    uint8_t *g = dst + (2 * p + t) * gb;
+                    const int qb = kept_qbytes(qt);
+                    uint16_t *dh = (uint16_t *)(g + nb * qb), *mh = dh + nb * KEPT_COLS;
+                    const uint8_t *rows[KEPT_COLS];
+                    for (int c = 0; c < KEPT_COLS; c++) { /* past N: the last column again (never stored) */
+                        const int64_t col = c0 + KEPT_COLS * t + c;
+                        rows[c] = w + (col < N ? col : N - 1) * ldw;
+                    }
+                    for (int64_t b = 0; b < nb; b++) {
+                        if (qt == QT_Q8_0) {
+                            memcpy(g + b * 512, bt + (b * 2 + t) * 512, 512);
+                        } else {
+                            __m512i y[4];
+                            dw_transpose16x4(rows, b * bb + (qt == QT_Q4_1 ? 4 : 2), y);
+                            for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * 256 + 64 * k, y[k]);
+                        }
+                        for (int c = 0; c < KEPT_COLS; c++) {
+                            const int64_t col = c0 + KEPT_COLS * t + c;
+                            const uint8_t *blk = w + col * ldw + b * bb;
+                            dh[b * KEPT_COLS + c] = col < N ? kvq_rd16(blk) : 0;
+                            if (qt == QT_Q4_1) mh[b * KEPT_COLS + c] = col < N ? kvq_rd16(blk + 2) : 0;
+                        }
+                    }
+                }
+            }
+        }
+        free(bt), free(d), free(m);
     }
-    return KVQ_OK;
+    return rc;
 }
 
 #define AMX_KEPT_MAX 4096
@@ -562,29 +627,47 @@ static const uint8_t *amx_kept_tiles(const struct job *j) {
 
 /* Output columns n0..n1 (n0 a multiple of AMX_COLS) of all M rows; xh / xl: the activations' split bytes, [M
  * rounded up to 16][K]; kept: the weight in tile layout, or NULL to unpack each pass here. */
-static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1,
-                    const uint8_t *kept) {
+static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j, const int8_t *xh,
+                                                           const uint8_t *xl, int64_t n0, int64_t n1,
+                                                           const uint8_t *kept, const int KEPT) {
     const int64_t nb = j->K / QK, K = j->K;
-    int8_t *bt = NULL;
-    float *d = NULL, *m = NULL;
-    if (!kept) {
-        bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
-        d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
-        m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
-        if (!bt || !d || !m) {
-            free(bt), free(d), free(m);
-            return KVQ_ENOMEM;
-        }
+    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+    float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+    float *m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+    if (!bt || !d || !m) {
+        free(bt), free(d), free(m);
+        return KVQ_ENOMEM;
     }
     amx_config();
     int32_t cbuf[AMX_CHUNK][4][16][16] __attribute__((aligned(64)));
     __m512 acc[16][2];
+    static const int8_t zeros[8 * 64] __attribute__((aligned(64)));
+    const int64_t gb = kept_group_bytes(nb, j->qt);
+    const int direct = KEPT && j->qt == QT_Q8_0; /* tiles loaded straight from the kept copy */
     for (int64_t c0 = n0; c0 < n1; c0 += AMX_COLS) {
         const int64_t c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
-        if (kept) {
-            const uint8_t *o = kept + c0 / AMX_COLS * amx_pass_bytes(nb);
-            bt = (int8_t *)o, d = (float *)(o + nb * 1024);
-            m = (float *)(o + nb * 1024 + nb * AMX_COLS * sizeof(float));
+        const uint8_t *g[2] = {NULL, NULL}; /* the kept groups of this pass's two tiles (NULL: past N, zeros) */
+        if (KEPT) { /* once per pass: d, m as floats (F16C: exact, as kvq_half); 4-bit quants as bytes */
+            g[0] = kept + c0 / KEPT_COLS * gb;
+            if (c0 + KEPT_COLS < j->N) g[1] = g[0] + gb;
+            for (int t = 0; t < 2; t++) {
+                const uint16_t *dh = g[t] ? (const uint16_t *)(g[t] + nb * kept_qbytes(j->qt)) : NULL;
+                for (int64_t b = 0; b < nb; b++) {
+                    __m512 vd = _mm512_setzero_ps(), vm = vd;
+                    if (dh) vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
+                    if (dh && j->qt == QT_Q4_1)
+                        vm = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + (nb + b) * KEPT_COLS)));
+                    _mm512_store_ps(d + b * AMX_COLS + 16 * t, vd);
+                    _mm512_store_ps(m + b * AMX_COLS + 16 * t, vm);
+                    if (!direct) {
+                        __m512i W[8];
+                        if (g[t]) kept_quants(g[t], b, j->qt, W);
+                        for (int k = 0; k < 8; k++)
+                            _mm512_store_si512(bt + (b * 2 + t) * 8 * 64 + 64 * k,
+                                               g[t] ? W[k] : _mm512_setzero_si512());
+                    }
+                }
+            }
         } else {
             amx_pack(j->w, j->ldw, j->qt, nb, c0, c1, bt, d, m);
         }
@@ -594,14 +677,17 @@ static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, in
                 const int ch = nb - b0 < AMX_CHUNK ? (int)(nb - b0) : AMX_CHUNK;
                 for (int i = 0; i < ch; i++) {
                     const int64_t b = b0 + i;
+                    const int8_t *b0t = bt + (b * 2) * 8 * 64, *b1t = bt + (b * 2 + 1) * 8 * 64;
+                    if (direct)
+                        b0t = (const int8_t *)g[0] + b * 512, b1t = g[1] ? (const int8_t *)g[1] + b * 512 : zeros;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
                     _tile_loadd(4, xh + r0 * K + b * QK, K);
                     _tile_loadd(5, xl + r0 * K + b * QK, K);
-                    _tile_loadd(6, bt + (b * 2) * 8 * 64, 64);
-                    _tile_loadd(7, bt + (b * 2 + 1) * 8 * 64, 64);
+                    _tile_loadd(6, b0t, 64);
+                    _tile_loadd(7, b1t, 64);
                     _tile_dpbssd(0, 4, 6);
                     _tile_dpbusd(1, 5, 6);
                     _tile_dpbssd(2, 4, 7);
@@ -638,8 +724,13 @@ static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, in
         }
     }
     _tile_release();
-    if (!kept) free(bt), free(d), free(m);
+    free(bt), free(d), free(m);
     return KVQ_OK;
+}
+
+static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1,
+                    const uint8_t *kept) {
+    return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0);
 }
 
 /* Splits the int16 activations into their tile bytes and runs amx_rows on whole column passes per thread. */
@@ -674,6 +765,110 @@ static int amx_matmul(const struct job *j, int16_t *xq, float *dx, float *sx, in
     }
     free(xh), free(xl);
     return rc;
+}
+
+/* ---- the vector route over a kept weight (below AMX_MIN_ROWS, or with the tiles off) ----
+ * The kept quants are already laid out as a VNNI instruction wants them, so tile_q_lanes' per-block transpose is
+ * gone. vpdpbusd multiplies unsigned by signed bytes: the int16 activations go in as two unsigned bytes each,
+ * hi + 128 (hi = xq >> 8) and lo = xq & 255, and with S the sum of a column's 32 quants (vpdpbusd of ones, once
+ * per block for all rows) D_b = 256 * (sum((hi + 128) q) - 128 S) + sum(lo q): the same exact int32, every
+ * intermediate below 2^31 in magnitude, followed by the same float operations: the same bits as every route.
+ * Built-in model (Q4_1), Intel Xeon, 2 threads, all of its matmuls against tile_q_lanes over the GGUF rows:
+ * 1.05-1.14x at 1 row, 1.11-1.19x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512. */
+#ifndef KEPT_AHEAD
+#define KEPT_AHEAD 32 /* blocks of the copy asked for ahead of the one multiplied (the prefetchers alone fall behind) */
+#endif
+
+static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, const float *dx, const float *sx,
+                                                            int64_t nb, int qt, const uint8_t *kept, float *y,
+                                                            int64_t ldy, int64_t n0, int64_t n1, const int MT) {
+    const int64_t gb = kept_group_bytes(nb, qt);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t n = n0; n < n1; n += KEPT_COLS) {
+        const int g = n1 - n < KEPT_COLS ? (int)(n1 - n) : KEPT_COLS;
+        const uint8_t *gq = kept + n / KEPT_COLS * gb;
+        const int qb = kept_qbytes(qt);
+        const uint16_t *dh = (const uint16_t *)(gq + nb * qb), *mh = dh + nb * KEPT_COLS;
+        __m512 acc[MT_MAX];
+#pragma GCC unroll 16
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD) * qb + o);
+            if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD) * KEPT_COLS);
+            if (qt == QT_Q4_1 && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD) * KEPT_COLS);
+            __m512i W[8];
+            kept_quants(gq, b, qt, W);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, W[0]), s1 = _mm512_setzero_si512();
+            s1 = _mm512_dpbusd_epi32(s1, ones, W[1]);
+            for (int k = 2; k < 8; k += 2)
+                s0 = _mm512_dpbusd_epi32(s0, ones, W[k]), s1 = _mm512_dpbusd_epi32(s1, ones, W[k + 1]);
+            const __m512i s15 = _mm512_slli_epi32(_mm512_add_epi32(s0, s1), 15);
+            const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
+            const __m512 vm = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(mh + b * KEPT_COLS)))
+                                            : _mm512_setzero_ps();
+#pragma GCC unroll 16
+            for (int r = 0; r < MT; r++) {
+                const uint8_t *xr = xu + (r * nb + b) * 64; /* 32 bytes hi + 128, then 32 bytes lo */
+                __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0; /* four short chains */
+                for (int k = 0; k < 8; k += 2) {
+                    int32_t a, c, e, f;
+                    memcpy(&a, xr + 4 * k, 4), memcpy(&c, xr + 4 * k + 4, 4);
+                    memcpy(&e, xr + 32 + 4 * k, 4), memcpy(&f, xr + 32 + 4 * k + 4, 4);
+                    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(a), W[k]);
+                    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(c), W[k + 1]);
+                    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(e), W[k]);
+                    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(f), W[k + 1]);
+                }
+                const __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), s15);
+                const __m512i D = _mm512_add_epi32(hi, _mm512_add_epi32(l0, l1));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx[r * nb + b])),
+                                         acc[r]);
+                if (qt == QT_Q4_1) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+            }
+        }
+        const __mmask16 keep = g == KEPT_COLS ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
+#pragma GCC unroll 16
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(y + r * ldy + n, keep, acc[r]);
+    }
+}
+
+typedef void (*kept_fn)(const uint8_t *, const float *, const float *, int64_t, int, const uint8_t *, float *,
+                        int64_t, int64_t, int64_t);
+#define KVQ_KEPT(MT)                                                                                            \
+    static void kept_rows##MT(const uint8_t *xu, const float *dx, const float *sx, int64_t nb, int qt,          \
+                              const uint8_t *kept, float *y, int64_t ldy, int64_t n0, int64_t n1) {            \
+        if (qt == QT_Q4_1) kept_rows(xu, dx, sx, nb, QT_Q4_1, kept, y, ldy, n0, n1, MT);                       \
+        else if (qt == QT_Q4_0) kept_rows(xu, dx, sx, nb, QT_Q4_0, kept, y, ldy, n0, n1, MT);                  \
+        else kept_rows(xu, dx, sx, nb, QT_Q8_0, kept, y, ldy, n0, n1, MT);                                     \
+    }
+KVQ_KEPT(1)
+KVQ_KEPT(2)
+KVQ_KEPT(3)
+KVQ_KEPT(4)
+KVQ_KEPT(5)
+KVQ_KEPT(6)
+KVQ_KEPT(7)
+KVQ_KEPT(8)
+KVQ_KEPT(9)
+KVQ_KEPT(10)
+KVQ_KEPT(11)
+KVQ_KEPT(12)
+KVQ_KEPT(13)
+KVQ_KEPT(14)
+KVQ_KEPT(15)
+KVQ_KEPT(16)
+static const kept_fn kepts[MT_MAX + 1] = {NULL, kept_rows1, kept_rows2, kept_rows3, kept_rows4, kept_rows5,
+                                          kept_rows6, kept_rows7, kept_rows8, kept_rows9, kept_rows10,
+                                          kept_rows11, kept_rows12, kept_rows13, kept_rows14, kept_rows15,
+                                          kept_rows16};
+
+/* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + 128, then 32 bytes lo. */
+static void split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
+    for (int64_t i = 0; i < M * K; i += QK)
+        for (int e = 0; e < QK; e++) {
+            xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + 128);
+            xu[2 * i + QK + e] = (uint8_t)(xq[i + e] & 0xff);
+        }
 }
 #else
 int kvq_amx_enable(int on) { /* no tiles at this level */
@@ -712,6 +907,12 @@ static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
         const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
         for (int64_t r = 0; r < j->M; r += mt) {
             const int64_t h = j->M - r < mt ? j->M - r : mt;
+#ifdef KVQ_HAVE_AMX
+            if (j->kept)
+                kepts[h](j->xu + r * nb * 2 * QK, j->dx + r * nb, j->sx + r * nb, nb, j->qt, j->kept,
+                         j->y + r * j->ldy, j->ldy, c0, c1);
+            else
+#endif
             if (j->xq)
                 tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
                            j->y + r * j->ldy, j->ldy, c0, c1, r == 0);
@@ -745,7 +946,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     if (ldw < row_bytes) return KVQ_EROWBYTES;
     if (M == 0 || N == 0) return KVQ_OK;
 
-    struct job j = {x, bias, w, y, M, K, ldx, N, ldw, ldy, qt, NULL, NULL, NULL};
+    struct job j = {x, bias, w, y, M, K, ldx, N, ldw, ldy, qt, NULL, NULL, NULL, NULL, NULL};
     int16_t *xq = NULL;
     float *dx = NULL, *sx = NULL;
     if (bb) {
@@ -760,15 +961,27 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         j.xq = xq, j.dx = dx, j.sx = sx;
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
+    uint8_t *xu = NULL;
 #ifdef KVQ_HAVE_AMX
+    const uint8_t *kept = bb && __atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) > 0 ? amx_kept_tiles(&j) : NULL;
     if (bb && amx_on && M >= AMX_MIN_ROWS) { /* (it rounds x itself, on all its threads) */
-        const uint8_t *kept = __atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) > 0 ? amx_kept_tiles(&j) : NULL;
         const int rc = amx_matmul(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
         return rc;
     }
+    if (kept) {
+        xu = (uint8_t *)malloc((size_t)(M * K * 2));
+        if (!xu) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        j.xu = xu, j.kept = kept;
+    }
 #endif
     if (bb) quantize_rows(x, M, K, ldx, xq, dx, sx);
+#ifdef KVQ_HAVE_AMX
+    if (xu) split_bytes(xq, M, K, xu);
+#endif
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
     if (nt > N) nt = (int)N;
@@ -787,7 +1000,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
             run_rows(&j, groups * tid / nth * ng, e < N ? e : N); /* whole groups each */
         }
     }
-    free(xq), free(dx), free(sx);
+    free(xq), free(dx), free(sx), free(xu);
     return KVQ_OK;
 }
 
