@@ -774,10 +774,11 @@ static int amx_matmul(const struct job *j, int16_t *xq, float *dx, float *sx, in
  * per block for all rows) D_b = 256 * (sum((hi + 128) q) - 128 S) + sum(lo q): the same exact int32, every
  * intermediate below 2^31 in magnitude, followed by the same float operations: the same bits as every route.
  * Built-in model (Q4_1), Intel Xeon, 2 threads, all of its matmuls against tile_q_lanes over the GGUF rows:
- * 1.05-1.14x at 1 row, 1.11-1.19x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512. */
-#ifndef KEPT_AHEAD
-#define KEPT_AHEAD 32 /* blocks of the copy asked for ahead of the one multiplied (the prefetchers alone fall behind) */
-#endif
+ * 1.05-1.14x at 1 row, 1.11-1.19x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512; its Q8_0 head alone
+ * 0.98-1.03x at 1 row, 1.08x at 2, 1.16-1.20x at 9. */
+/* Blocks of the copy asked for ahead of the one multiplied (the hardware prefetchers alone fall behind); measured
+ * best, Intel Xeon: 4-bit (256 bytes a block) 32 of 8, 16, 32, 48, 64; Q8_0 (512 bytes) 4 of 4, 8, 12, 16, 32. */
+#define KEPT_AHEAD(qt) ((qt) == QT_Q8_0 ? 4 : 32)
 
 static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, const float *dx, const float *sx,
                                                             int64_t nb, int qt, const uint8_t *kept, float *y,
@@ -793,9 +794,9 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
 #pragma GCC unroll 16
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD) * qb + o);
-            if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD) * KEPT_COLS);
-            if (qt == QT_Q4_1 && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD) * KEPT_COLS);
+            for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD(qt)) * qb + o);
+            if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
+            if (qt == QT_Q4_1 && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
             __m512i W[8];
             kept_quants(gq, b, qt, W);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, W[0]), s1 = _mm512_setzero_si512();
