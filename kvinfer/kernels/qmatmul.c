@@ -170,6 +170,14 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
 
 #define NG16 16
 
+/* tile_q's float work on a block's exact int32 D, one column per lane: every 16-column route ends in this. */
+static inline __attribute__((always_inline)) __m512 lanes_block(__m512 acc, __m512i D, __m512 vd, __m512 vm,
+                                                                float dx, float sx, int qt) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx)), acc);
+    if (qt == QT_Q4_1) acc = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx), acc);
+    return acc;
+}
+
 /* tile_q's arithmetic, 16 columns at a time (see above). */
 static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq, const float *dx,
                                                                const float *sx, int64_t nb, const uint8_t *w,
@@ -213,9 +221,7 @@ static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq
                                                      _mm512_set1_epi32(xp));
                 }
                 const __m512i D = _mm512_add_epi32(_mm512_add_epi32(Dp[0], Dp[1]), _mm512_add_epi32(Dp[2], Dp[3]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx[r * nb + b])),
-                                         acc[r]);
-                if (qt == QT_Q4_1) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+                acc[r] = lanes_block(acc[r], D, vd, vm, dx[r * nb + b], sx[r * nb + b], qt);
             }
         }
         const __mmask16 keep = g == NG16 ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
@@ -822,9 +828,7 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                 }
                 const __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), s15);
                 const __m512i D = _mm512_add_epi32(hi, _mm512_add_epi32(l0, l1));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx[r * nb + b])),
-                                         acc[r]);
-                if (qt == QT_Q4_1) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+                acc[r] = lanes_block(acc[r], D, vd, vm, dx[r * nb + b], sx[r * nb + b], qt);
             }
         }
         const __mmask16 keep = g == KEPT_COLS ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
