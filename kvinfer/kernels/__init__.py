@@ -619,10 +619,10 @@ def describe() -> str:
     if not available():
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     tiles = ""
-    if _active.amx:
-        tiles = f", AMX tiles from {_active.amx_min_rows} rows"
     if _active.keeps_tiles and keep_tiles_enabled():
-        tiles += " (weights kept in tile layout)"
+        tiles = ", weights kept in tile layout"
+    if _active.amx:
+        tiles += f", AMX tiles from {_active.amx_min_rows} rows"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
