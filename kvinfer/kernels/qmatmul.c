@@ -544,40 +544,44 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
     int rc = KVQ_OK;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
-        int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
-        float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
-        float *m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
-        if (!bt || !d || !m) {
-#pragma omp atomic write
-            rc = KVQ_ENOMEM;
-        } else {
+        int8_t *bt = NULL; /* Q8_0 only: amx_pack's transposed bytes (4-bit groups keep the GGML nibbles) */
+        float *d = NULL, *m = NULL;
+        if (qt == QT_Q8_0) {
+            bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+            d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+            m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+        }
+        const int ok = qt != QT_Q8_0 || (bt && d && m);
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < passes; p++) {
-                const int64_t c0 = p * AMX_COLS, c1 = c0 + AMX_COLS < N ? c0 + AMX_COLS : N;
-                if (qt == QT_Q8_0) amx_pack(w, ldw, qt, nb, c0, c1, bt, d, m);
-                for (int t = 0; t < 2 && c0 + KEPT_COLS * t < N; t++) {
-                    uint8_t *g = dst + (2 * p + t) * gb;
-                    const int qb = kept_qbytes(qt);
-                    uint16_t *dh = (uint16_t *)(g + nb * qb), *mh = dh + nb * KEPT_COLS;
-                    const uint8_t *rows[KEPT_COLS];
-                    for (int c = 0; c < KEPT_COLS; c++) { /* past N: the last column again (never stored) */
-                        const int64_t col = c0 + KEPT_COLS * t + c;
-                        rows[c] = w + (col < N ? col : N - 1) * ldw;
+        for (int64_t p = 0; p < passes; p++) { /* (every thread meets the loop; one without buffers skips) */
+            if (!ok) {
+#pragma omp atomic write
+                rc = KVQ_ENOMEM;
+                continue;
+            }
+            const int64_t c0 = p * AMX_COLS, c1 = c0 + AMX_COLS < N ? c0 + AMX_COLS : N;
+            if (qt == QT_Q8_0) amx_pack(w, ldw, qt, nb, c0, c1, bt, d, m);
+            for (int t = 0; t < 2 && c0 + KEPT_COLS * t < N; t++) {
+                uint8_t *g = dst + (2 * p + t) * gb;
+                const int qb = kept_qbytes(qt);
+                uint16_t *dh = (uint16_t *)(g + nb * qb), *mh = dh + nb * KEPT_COLS;
+                const uint8_t *rows[KEPT_COLS];
+                for (int c = 0; c < KEPT_COLS; c++) { /* past N: the last column again (never stored) */
+                    const int64_t col = c0 + KEPT_COLS * t + c;
+                    rows[c] = w + (col < N ? col : N - 1) * ldw;
+                }
+                for (int64_t b = 0; b < nb; b++) {
+                    if (qt == QT_Q8_0) {
+                        memcpy(g + b * 512, bt + (b * 2 + t) * 512, 512);
+                    } else {
+                        __m512i y[4];
+                        dw_transpose16x4(rows, b * bb + (qt == QT_Q4_1 ? 4 : 2), y);
+                        for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * 256 + 64 * k, y[k]);
                     }
-                    for (int64_t b = 0; b < nb; b++) {
-                        if (qt == QT_Q8_0) {
-                            memcpy(g + b * 512, bt + (b * 2 + t) * 512, 512);
-                        } else {
-                            __m512i y[4];
-                            dw_transpose16x4(rows, b * bb + (qt == QT_Q4_1 ? 4 : 2), y);
-                            for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * 256 + 64 * k, y[k]);
-                        }
-                        for (int c = 0; c < KEPT_COLS; c++) {
-                            const int64_t col = c0 + KEPT_COLS * t + c;
-                            const uint8_t *blk = w + col * ldw + b * bb;
-                            dh[b * KEPT_COLS + c] = col < N ? kvq_rd16(blk) : 0;
-                            if (qt == QT_Q4_1) mh[b * KEPT_COLS + c] = col < N ? kvq_rd16(blk + 2) : 0;
-                        }
+                    for (int c = 0; c < KEPT_COLS; c++) {
+                        const int live = c0 + KEPT_COLS * t + c < N;
+                        dh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb) : 0;
+                        if (qt == QT_Q4_1) mh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb + 2) : 0;
                     }
                 }
             }
@@ -637,10 +641,11 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
                                                            const uint8_t *xl, int64_t n0, int64_t n1,
                                                            const uint8_t *kept, const int KEPT) {
     const int64_t nb = j->K / QK, K = j->K;
-    int8_t *bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+    const int direct = KEPT && j->qt == QT_Q8_0; /* tiles loaded straight from the kept copy, no bt */
+    int8_t *bt = direct ? NULL : (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
     float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
     float *m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
-    if (!bt || !d || !m) {
+    if ((!direct && !bt) || !d || !m) {
         free(bt), free(d), free(m);
         return KVQ_ENOMEM;
     }
@@ -649,7 +654,6 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
     __m512 acc[16][2];
     static const int8_t zeros[8 * 64] __attribute__((aligned(64)));
     const int64_t gb = kept_group_bytes(nb, j->qt);
-    const int direct = KEPT && j->qt == QT_Q8_0; /* tiles loaded straight from the kept copy */
     for (int64_t c0 = n0; c0 < n1; c0 += AMX_COLS) {
         const int64_t c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
         const uint8_t *g[2] = {NULL, NULL}; /* the kept groups of this pass's two tiles (NULL: past N, zeros) */
@@ -780,8 +784,8 @@ static int amx_matmul(const struct job *j, int16_t *xq, float *dx, float *sx, in
  * per block for all rows) D_b = 256 * (sum((hi + 128) q) - 128 S) + sum(lo q): the same exact int32, every
  * intermediate below 2^31 in magnitude, followed by the same float operations: the same bits as every route.
  * Built-in model (Q4_1), Intel Xeon, 2 threads, all of its matmuls against tile_q_lanes over the GGUF rows:
- * 1.05-1.14x at 1 row, 1.11-1.19x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512; its Q8_0 head alone
- * 0.98-1.03x at 1 row, 1.08x at 2, 1.16-1.20x at 9. */
+ * 1.05-1.14x at 1 row, 1.13-1.18x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512; its Q8_0 head alone
+ * 1.01-1.03x at 1 row, 1.05-1.06x at 2, 1.16-1.19x at 9. */
 /* Blocks of the copy asked for ahead of the one multiplied (the hardware prefetchers alone fall behind); measured
  * best, Intel Xeon: 4-bit (256 bytes a block) 32 of 8, 16, 32, 48, 64; Q8_0 (512 bytes) 4 of 4, 8, 12, 16, 32. */
 #define KEPT_AHEAD(qt) ((qt) == QT_Q8_0 ? 4 : 32)
