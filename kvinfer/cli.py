@@ -104,7 +104,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="context window, at most what the model's positions support (default: the model's)")
     add_scheduler_args(g)
     g.add_argument("--num-scheduler-steps", type=int_at_least("--num-scheduler-steps", 1, 64), default=8,
-                   help="greedy decode steps per call into the fused C step while no request waits (default 8; "
+                   help="decode steps per call into the fused C step while no request waits and none needs more "
+                        "than temperature/top-k/top-p/min-p (default 8; "
                         "1: return to the scheduler after every token)")
     g.add_argument("--threads", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
                    help="CPU threads for torch (default: all cores)")

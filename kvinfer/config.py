@@ -416,8 +416,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Greedy decode steps per call into the fused C step while nothing waits to be admitted (vLLM's multi-step
-    # scheduling): the per-step Python work (scheduling, metadata, sampling, outputs) is paid once per call.
+    # Decode steps (greedy, or sampled with only temperature/top-k/top-p/min-p) per call into the fused C step while
+    # nothing waits to be admitted (vLLM's multi-step scheduling): the per-step Python work (scheduling, metadata,
+    # sampling, outputs) is paid once per call.
     num_scheduler_steps: int = 8
     seed: int = 0
     num_threads: Optional[int] = None

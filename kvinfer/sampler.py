@@ -84,6 +84,32 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     return i
 
 
+def c_sampling(row: torch.Tensor) -> bool:
+    """Whether a row is drawn by the C kernel (kvq_sample_row), as the fused multi-step decode draws: CPU float32
+    rows where the kernels are available."""
+    from kvinfer import kernels
+
+    return row.device.type == "cpu" and row.dtype == torch.float32 and kernels.available()
+
+
+def uniform(generator: Optional[torch.Generator], n: int = 1) -> torch.Tensor:
+    """The next n uniform numbers in [0, 1) of a request's generator, as each draw takes them (float64; n of them
+    at once are the same numbers as n calls one at a time)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator]) -> int:
+    """One token from a processed row of logits [vocab] (temperature > 0) with the request's generator: on the CPU
+    by the C kernel (one uniform number per draw, the arithmetic the fused multi-step decode shares), elsewhere by
+    filter_probs + draw."""
+    if c_sampling(row):
+        from kvinfer import kernels
+
+        return kernels.sample_row(row.contiguous(), p.temperature, p.top_k, p.top_p, p.min_p,
+                                  float(uniform(generator)))
+    return draw(filter_probs(row, p), generator)
+
+
 def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
     """One row of logits [vocab] with banned ids masked and penalties applied (a new tensor)."""
     row = row.clone()
@@ -157,6 +183,5 @@ class Sampler:
                 if r.params.greedy:
                     tokens.append(argmax_rows(row)[0])
                     continue
-                probs = filter_probs(row, r.params)
-                tokens.append(draw(probs, r.generator))
+                tokens.append(sample_row(row, r.params, r.generator))
         return SampleResult(tokens, chosen_logprobs(raw, rows, tokens))

@@ -178,11 +178,16 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing that changes the logits first (penalties, logit_bias, allowed or bad tokens): the
-        argmax of the raw row."""
-        return (self.greedy and not self.uses_penalties and not self.logit_bias and self.allowed_token_ids is None
+    def plain(self) -> bool:
+        """Nothing changes the logits before temperature and the top-k/top-p/min-p filters (no penalties,
+        logit_bias, allowed or bad tokens): the token depends on the raw row (and the draw) alone."""
+        return (not self.uses_penalties and not self.logit_bias and self.allowed_token_ids is None
                 and not self.bad_words)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy and plain: the argmax of the raw row."""
+        return self.greedy and self.plain
 
     @property
     def uses_penalties(self) -> bool:

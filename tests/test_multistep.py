@@ -1,6 +1,6 @@
-"""Multi-step greedy decode (EngineConfig.num_scheduler_steps): several fused decode steps per C call while every
-running request decodes greedily and none waits, with the same tokens, logprobs, texts and finishes as one step
-per call."""
+"""Multi-step decode (EngineConfig.num_scheduler_steps): several fused decode steps per C call while every running
+request decodes greedily or samples with nothing but temperature and top-k/top-p/min-p, and none waits, with the
+same tokens, logprobs, texts and finishes as one step per call."""
 from __future__ import annotations
 
 import pytest
@@ -22,13 +22,13 @@ def _run(llm, prompts, params):
 def _calls(llm):
     """Counts the engine's multi-step calls."""
     eng = llm.engine
-    orig, n = eng._step_greedy, [0]
+    orig, n = eng._step_fused, [0]
 
     def counted(steps):
         n[0] += 1
         return orig(steps)
 
-    eng._step_greedy = counted
+    eng._step_fused = counted
     return n
 
 
@@ -38,6 +38,11 @@ CASES = [
     SamplingParams(temperature=0, max_tokens=30, n=3, logprobs=0),  # forks share the prompt's last block
     SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=12, min_tokens=5, stop_token_ids=[13]),
+    # Sampled: the fused call draws with the sampler's kernel and the same uniform numbers of each generator.
+    SamplingParams(temperature=0.8, max_tokens=40, seed=7, logprobs=2),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, max_tokens=30, n=3),
+    # "," or "." ends a request inside a call: the others' generators must be left as if only the steps done drew.
+    SamplingParams(temperature=1.1, max_tokens=48, stop_token_ids=[28, 30], seed=11),
 ]
 
 
@@ -93,3 +98,19 @@ def test_the_c_argmax_is_the_samplers():
     x[6, 0] = -2.0
     got = kernels.active().argmax_rows(x.contiguous())
     assert got == argmax_rows(x) == [got[0], 10, 7, 0, 0, 3, 1]
+
+
+def test_greedy_and_sampled_requests_share_fused_calls(builtin_llm):
+    # One batch: greedy rows take the argmax, sampled rows draw, in the same C calls; a request with a penalty
+    # (which the fused call cannot apply) sends the steps it shares the general way, with the same tokens.
+    one = LLM(None, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, num_scheduler_steps=1)
+    eight = LLM(None, dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, num_scheduler_steps=8)
+    calls = _calls(eight)
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):", "List three colours:"]
+    params = [SamplingParams(temperature=0, max_tokens=33, logprobs=1),
+              SamplingParams(temperature=0.7, max_tokens=41, seed=1, logprobs=1),
+              SamplingParams(temperature=1.3, top_p=0.8, max_tokens=29, seed=2),
+              SamplingParams(temperature=0.9, max_tokens=12, seed=3, repetition_penalty=1.2)]
+    assert _run(eight, prompts, params) == _run(one, prompts, params)
+    assert calls[0] > 0
+    eight.engine.check_integrity()

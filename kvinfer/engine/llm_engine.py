@@ -342,13 +342,14 @@ class LLMEngine:
         spec = self.speculator is not None
         if spec:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
-        # Greedy decode with nothing for the sampler to change runs fused in one C call (the same bits, less
-        # Python): up to --num-scheduler-steps steps; with speculation on, one step in which no request proposed
-        # (proposals may resume the next). Without it a lone step goes the general way below.
-        n = self._greedy_steps(1 if spec else self.config.num_scheduler_steps)
+        # Decode with nothing for the sampler to change but temperature and the top-k/top-p/min-p filters runs
+        # fused in one C call (the same bits, less Python): up to --num-scheduler-steps steps; with speculation
+        # on, one step in which no request proposed (proposals may resume the next). Without it a lone step goes
+        # the general way below.
+        n = self._fused_steps(1 if spec else self.config.num_scheduler_steps)
         if n > (0 if spec else 1):
             running = len(self.scheduler.running)
-            outs = self._step_greedy(n)
+            outs = self._step_fused(n)
             if outs is not None:
                 if spec:
                     self._after_speculator_step(t0, generated, False, running)
@@ -392,33 +393,36 @@ class LLMEngine:
         """The core outputs of the groups that got tokens this step (those still known)."""
         return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
-    # ---- several greedy decode steps in one call (vLLM's multi-step scheduling) ------------------------
-    def _greedy_steps(self, most: int) -> int:
-        """How many greedy decode steps, up to `most`, the next call may make fused in one C call (0: none). Only
-        while every running request decodes greedily with nothing for the sampler to change (no penalties, bias,
-        grammar, banned stop tokens, proposed tokens) and no request waits for admission, so none waits longer
-        than one call."""
+    # ---- several decode steps in one call (vLLM's multi-step scheduling) -------------------------------
+    def _fused_steps(self, most: int) -> int:
+        """How many decode steps, up to `most`, the next call may make fused in one C call (0: none). Only while
+        every running request decodes with nothing for the sampler to change but temperature and top-k/top-p/min-p
+        (no penalties, bias, grammar, banned stop tokens, proposed tokens) and no request waits for admission, so
+        none waits longer than one call. A sampled request draws there as the sampler draws (kvq_sample_row, the
+        same uniform numbers of its generator)."""
         n = most
         sch = self.scheduler
         if n < 1 or sch.waiting or not sch.running or self._pending_forks:
             return 0
         for r in sch.running:
             p = r.params
-            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain_greedy or r.grammar is not None
+            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain or r.grammar is not None
                     or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
                 return 0
             n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
         if n < 1:
             return 0
         fused = self.runner._fused_decode()
-        return n if fused is not None and fused.greedy_steps_ok else 0
+        return n if fused is not None and fused.steps_ok else 0
 
-    def _step_greedy(self, n: int) -> Optional[list[CoreOutput]]:
-        """Up to n greedy decode steps of every running request in one C call; None (nothing changed) if the KV
-        pool cannot hold n more tokens for each. Each step's arithmetic is a single step's (FusedDecode), its
-        argmax the sampler's (numpy's rule), its logprobs computed from the same logits afterwards, and each token
-        goes through _append_token in step order, so stop tokens, max_tokens and outputs are as step by step."""
-        from kvinfer.sampler import row_logprob
+    def _step_fused(self, n: int) -> Optional[list[CoreOutput]]:
+        """Up to n decode steps of every running request in one C call; None (nothing changed) if the KV pool
+        cannot hold n more tokens for each. Each step's arithmetic is a single step's (FusedDecode), its token the
+        sampler's (the argmax by numpy's rule, or kvq_sample_row with the next uniform number of the request's
+        generator: n are taken up front, and a generator is left as if only the steps done had drawn), its
+        logprobs computed from the same logits afterwards, and each token goes through _append_token in step
+        order, so stop tokens, max_tokens and outputs are as step by step."""
+        from kvinfer.sampler import row_logprob, uniform
 
         sch, m = self.scheduler, self.kv_manager
         reqs = list(sch.running)
@@ -431,10 +435,25 @@ class LLMEngine:
         stop_ids = set(self._eos_ids())
         for r in reqs:
             stop_ids.update(r.params.stop_token_ids)
-        tokens, logits = self.runner._fused_decode().greedy_steps(
+        sampling = uniforms = None
+        drawn = [r for r in reqs if not r.params.greedy]
+        if drawn:
+            sampling = [(0.0, 0, 1.0, 0.0) if r.params.greedy else
+                        (r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs]
+            uniforms = torch.zeros((n, len(reqs)), dtype=torch.float64)
+            states = {}
+            for b, r in enumerate(reqs):
+                if not r.params.greedy:
+                    states[b] = r.generator.get_state()
+                    uniforms[:, b] = uniform(r.generator, n)
+        tokens, logits = self.runner._fused_decode().decode_steps(
             [r.token_at(r.num_tokens - 1) for r in reqs], [m.get_block_table(r) for r in reqs],
-            [r.num_tokens for r in reqs], n, sorted(stop_ids))
+            [r.num_tokens for r in reqs], n, sorted(stop_ids), sampling, uniforms)
         steps = tokens.shape[0]
+        if drawn and steps < n:  # the generators as if only the steps done had drawn
+            for b, state in states.items():
+                reqs[b].generator.set_state(state)
+                uniform(reqs[b].generator, steps)
         self.stats["steps"] += steps
         now = time.perf_counter()
         touched: dict[str, None] = {}

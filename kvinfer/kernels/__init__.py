@@ -33,13 +33,13 @@ import torch
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
-           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_greedy", "DecodeLayer", "DecodeJob",
+           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer", "DecodeJob", "Sampling",
            "library_path", "build", "load", "describe"]
 
 log = logging.getLogger("kvinfer.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / n for n in ("qmatmul.c", "attn.c", "rowops.c", "decode_step.c")]
+SOURCES = [HERE / n for n in ("qmatmul.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
 HEADERS = [HERE / "kernels.h", HERE / "simd.h"]
 DISPATCH_SOURCE = HERE / "dispatch.c"
 CC = os.environ.get("CC") or "gcc"
@@ -160,6 +160,11 @@ class DecodeJob(ctypes.Structure):
                 ("head_rows", _i64), ("head_qt", _i32), ("logits", _vp)]
 
 
+class Sampling(ctypes.Structure):
+    """struct kvq_sampling: per sequence of a multi-step call, how its next token is chosen (pointers to arrays)."""
+    _fields_ = [(n, _vp) for n in ("temperature", "top_k", "top_p", "min_p", "u")]
+
+
 _MATMUL_ARGS = ctypes.c_int64 * 12
 
 
@@ -170,7 +175,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_matmul_packed": ([vp], c_int),
         "kvq_attention": ([vp], c_int),
         "kvq_decode_step": ([vp], c_int),
-        "kvq_decode_greedy": ([vp, i64, vp, i64, vp, vp], c_int),
+        "kvq_decode_steps": ([vp, i64, vp, i64, vp, vp, vp], c_int),
+        "kvq_sample_row": ([vp, i64, f32, i64, f32, f32, ctypes.c_double, vp], i64),
+        "kvq_sample_work_bytes": ([i64], i64),
         "kvq_argmax_rows": ([vp, i64, i64, vp], None),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
@@ -487,16 +494,28 @@ class Kernels:
     def decode_step(self, job: DecodeJob) -> None:
         _check(self.lib.kvq_decode_step(ctypes.byref(job)), "fused decode step")
 
-    def decode_greedy(self, job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
-                      tokens: torch.Tensor) -> int:
-        """Up to nsteps greedy decode steps in one call (kvq_decode_greedy); returns the steps done."""
-        n = self.lib.kvq_decode_greedy(ctypes.byref(job), nsteps, stop_ids.data_ptr(), stop_ids.numel(),
-                                       logits_all.data_ptr(), tokens.data_ptr())
-        _check(min(n, 0), "fused greedy decode steps")
+    def decode_steps(self, job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
+                     tokens: torch.Tensor, sampling: Optional[Sampling] = None) -> int:
+        """Up to nsteps decode steps in one call (kvq_decode_steps), each row's next token its argmax or, with
+        `sampling`, drawn as sample_row draws it; returns the steps done."""
+        n = self.lib.kvq_decode_steps(ctypes.byref(job), nsteps, stop_ids.data_ptr(), stop_ids.numel(),
+                                      None if sampling is None else ctypes.byref(sampling), logits_all.data_ptr(),
+                                      tokens.data_ptr())
+        _check(min(n, 0), "fused decode steps")
         return n
 
+    def sample_row(self, row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                   u: float) -> int:
+        """One token drawn from a row of logits (CPU float32, contiguous) with uniform number u in [0, 1): the
+        temperature, top-k, top-p and min-p of kvq_sample_row, which the fused multi-step decode applies too."""
+        n = row.numel()
+        work = torch.empty((self.lib.kvq_sample_work_bytes(n) + 7) // 8, dtype=torch.float64)
+        t = self.lib.kvq_sample_row(row.data_ptr(), n, temperature, top_k, top_p, min_p, u, work.data_ptr())
+        _check(min(t, 0), "sampling")
+        return t
+
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
-        """Each row's argmax as decode_greedy takes it (x: [rows, n] contiguous float32)."""
+        """Each row's argmax as decode_steps takes it (x: [rows, n] contiguous float32)."""
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self.lib.kvq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
         return out.tolist()
@@ -682,9 +701,13 @@ def decode_step(job: DecodeJob) -> None:
     active().decode_step(job)
 
 
-def decode_greedy(job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
-                  tokens: torch.Tensor) -> int:
-    return active().decode_greedy(job, nsteps, stop_ids, logits_all, tokens)
+def decode_steps(job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor, tokens: torch.Tensor,
+                 sampling: Optional[Sampling] = None) -> int:
+    return active().decode_steps(job, nsteps, stop_ids, logits_all, tokens, sampling)
+
+
+def sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    return active().sample_row(row, temperature, top_k, top_p, min_p, u)
 
 
 class PreparedMatmul:

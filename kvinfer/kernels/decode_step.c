@@ -89,33 +89,23 @@ done:
     return rc;
 }
 
-/* The index of the first largest value of row[0..n) (a NaN counts as the largest, the first one wins): numpy's
- * argmax, which the sampler's greedy path takes (kvq_argmax_rows exposes it to the tests that hold the two equal). */
-static int64_t argmax_row(const float *row, int64_t n) {
-    int64_t best = 0;
-    if (row[0] != row[0]) return 0;
-    for (int64_t i = 1; i < n; i++) {
-        if (row[i] != row[i]) return i;
-        if (row[i] > row[best]) best = i;
-    }
-    return best;
-}
-
 void kvq_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+    for (int64_t r = 0; r < rows; r++) out[r] = kvq_argmax_row(x + r * n, n);
 }
 
-/* Up to nsteps greedy decode steps of d->B sequences in one call (the engine's multi-step decode: one call, then
- * Python looks at the tokens, instead of a return to Python per token). Step s is kvq_decode_step at position
+/* Up to nsteps decode steps of d->B sequences in one call (the engine's multi-step decode: one call, then Python
+ * looks at the tokens, instead of a return to Python per token). Step s is kvq_decode_step at position
  * lens[b] - 1 + s of each sequence, its K/V slot found through the sequence's block table (which must already
- * hold those positions), its logits kept in logits_all[s] ([B, head_rows]) and each row's argmax its next input.
+ * hold those positions), its logits kept in logits_all[s] ([B, head_rows]), and each row's next input its argmax
+ * (sp NULL, or a temperature of 0) or a token drawn by kvq_sample_row with that sequence's parameters and the
+ * step's uniform number sp->u[s * B + b] -- what the sampler draws from the same row and number.
  * d->ids and d->lens give step 0 and are not written (d->slots is not read: every step's slots come from the
  * tables); d->embed, d->final_norm and d->head must be set.
  * Stops after nsteps, or after a step in which a sequence's token is one of stop_ids. tokens[s * B + b]: the
  * token of step s. Returns the steps done (>= 1), or a negative KVQ_E* code. The same arithmetic per step as one
  * kvq_decode_step call each: a token does not depend on how many steps one call makes. */
-int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
-                      float *logits_all, int64_t *tokens) {
+int kvq_decode_steps(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
+                     const struct kvq_sampling *sp, float *logits_all, int64_t *tokens) {
     const int64_t B = d->B, V = d->head_rows;
     if (nsteps < 1 || B <= 0 || !d->embed || !d->final_norm || !d->head || V <= 0 || d->T <= 0 || d->BS <= 0)
         return KVQ_EBADSHAPE;
@@ -125,8 +115,14 @@ int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t 
         for (int64_t i = (d->lens[b] - 1) / d->BS; i <= last / d->BS; i++)
             if (d->tables[b * d->T + i] < 0 || d->tables[b * d->T + i] >= d->NB) return KVQ_EBADBLOCK;
     }
+    int sampled = 0;
+    for (int64_t b = 0; sp && b < B; b++) sampled |= sp->temperature[b] > 0.0f;
     int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * B));
-    if (!ids) return KVQ_ENOMEM;
+    float *work = sampled ? (float *)malloc((size_t)kvq_sample_work_bytes(V)) : NULL;
+    if (!ids || (sampled && !work)) {
+        free(ids), free(work);
+        return KVQ_ENOMEM;
+    }
     int64_t *slots = ids + B, *lens = ids + 2 * B;
     memcpy(ids, d->ids, sizeof(int64_t) * (size_t)B);
     memcpy(lens, d->lens, sizeof(int64_t) * (size_t)B);
@@ -144,17 +140,26 @@ int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t 
         if (rc) break;
         int stop = 0;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t t = argmax_row(j.logits + b * V, V);
+            const float *row = j.logits + b * V;
+            const int64_t t = sp && sp->temperature[b] > 0.0f
+                ? kvq_sample_row(row, V, sp->temperature[b], sp->top_k[b], sp->top_p[b], sp->min_p[b],
+                                 sp->u[s * B + b], work)
+                : kvq_argmax_row(row, V);
+            if (t < 0) {
+                rc = (int)t;
+                break;
+            }
             tokens[s * B + b] = ids[b] = t;
             lens[b]++;
             for (int64_t k = 0; k < nstop; k++) stop |= stop_ids[k] == t;
         }
+        if (rc) break;
         if (stop) {
             s++;
             break;
         }
     }
-    free(ids);
+    free(ids), free(work);
     if (rc) return rc;
     return (int)s;
 }

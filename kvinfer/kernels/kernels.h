@@ -98,9 +98,21 @@ struct kvq_decode {
     float *logits;                             /* [B, head_rows] */
 };
 int kvq_decode_step(const struct kvq_decode *d);
+int64_t kvq_argmax_row(const float *row, int64_t n);
 void kvq_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out);
-int kvq_decode_greedy(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
-                      float *logits_all, int64_t *tokens);
+/* Per sequence of a multi-step call: how its next token is chosen after each step. */
+struct kvq_sampling {
+    const float *temperature; /* [B]; 0: the argmax */
+    const int64_t *top_k;     /* [B]; <= 0: off */
+    const float *top_p;       /* [B]; >= 1: off */
+    const float *min_p;       /* [B]; <= 0: off */
+    const double *u;          /* [nsteps, B]: each step's uniform number in [0, 1) */
+};
+int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                       double u, float *work);
+int64_t kvq_sample_work_bytes(int64_t n);
+int kvq_decode_steps(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
+                     const struct kvq_sampling *sp, float *logits_all, int64_t *tokens);
 int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
                    float *out);
 
