@@ -51,7 +51,13 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_
 
 
 def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p; returns probabilities with disallowed tokens at exactly 0."""
+    """Temperature, then top-k, top-p and min-p; returns probabilities with disallowed tokens at exactly 0. On the
+    CPU the C kernel's (the distribution sample_row draws from; speculative rejection sampling compares these),
+    elsewhere torch's."""
+    if c_sampling(logits):
+        from kvinfer import kernels
+
+        return kernels.active().sample_probs(logits.contiguous(), p.temperature, p.top_k, p.top_p, p.min_p)
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]

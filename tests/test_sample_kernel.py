@@ -124,3 +124,22 @@ def test_every_level_draws_the_same_token():
         per_level[lv] = [lib.sample_row(r, *p, u) for r in rows for p in params for u in us]
     first = next(iter(per_level.values()))
     assert all(v == first for v in per_level.values()), per_level.keys()
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.8, top_k=9, top_p=0.85, min_p=0.03)])
+def test_sample_probs_is_the_distribution_the_draw_takes(kw):
+    # What speculative rejection sampling compares (filter_probs on the CPU) is what sample_row draws from.
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(64, generator=g) * 2
+    lib = kernels.active()
+    probs = lib.sample_probs(logits, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0),
+                             kw.get("min_p", 0.0))
+    n = 5000
+    got = _frequencies(logits, n, **kw)
+    assert (got - probs.double()).abs().max() <= 1.0 / n + 1e-6
+    want = _reference(logits, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+    assert torch.equal(probs > 0, want > 0) and (probs.double() - want).abs().max() < 1e-5
+    assert abs(float(probs.double().sum()) - 1.0) < 1e-6
+    nan = logits.clone()
+    nan[5] = float("nan")
+    assert lib.sample_probs(nan, 1.0, 0, 1.0, 0.0).tolist() == [1.0 if i == 5 else 0.0 for i in range(64)]

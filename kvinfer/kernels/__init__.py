@@ -178,6 +178,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_decode_steps": ([vp, i64, vp, i64, vp, vp, vp], c_int),
         "kvq_sample_row": ([vp, i64, f32, i64, f32, f32, ctypes.c_double, vp], i64),
         "kvq_sample_work_bytes": ([i64], i64),
+        "kvq_sample_probs": ([vp, i64, f32, i64, f32, f32, vp, vp], c_int),
         "kvq_argmax_rows": ([vp, i64, i64, vp], None),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
@@ -513,6 +514,16 @@ class Kernels:
         t = self.lib.kvq_sample_row(row.data_ptr(), n, temperature, top_k, top_p, min_p, u, work.data_ptr())
         _check(min(t, 0), "sampling")
         return t
+
+    def sample_probs(self, row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     min_p: float) -> torch.Tensor:
+        """The probabilities sample_row draws from (float32 [n]; exactly 0 outside the filters)."""
+        n = row.numel()
+        work = torch.empty((self.lib.kvq_sample_work_bytes(n) + 7) // 8, dtype=torch.float64)
+        probs = torch.empty(n, dtype=torch.float32)
+        _check(self.lib.kvq_sample_probs(row.data_ptr(), n, temperature, top_k, top_p, min_p, probs.data_ptr(),
+                                         work.data_ptr()), "sampling")
+        return probs
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
         """Each row's argmax as decode_steps takes it (x: [rows, n] contiguous float32)."""

@@ -111,6 +111,8 @@ struct kvq_sampling {
 int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
                        double u, float *work);
 int64_t kvq_sample_work_bytes(int64_t n);
+int kvq_sample_probs(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                     float *probs, float *work);
 int kvq_decode_steps(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
                      const struct kvq_sampling *sp, float *logits_all, int64_t *tokens);
 int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,

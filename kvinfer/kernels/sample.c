@@ -163,11 +163,11 @@ static double chunked_total(const float *e, int64_t n, double *sums) {
     return total;
 }
 
-/* One token from logits[0..n) (temperature > 0; top_k <= 0 or >= n: off; top_p >= 1: off; min_p <= 0: off; u in
- * [0, 1)). work: kvq_sample_work_bytes(n) bytes, 8-byte aligned. A row with a NaN, or nothing finite,
- * gives its argmax (numpy's rule) instead. Returns the token, or a negative KVQ_E* code. */
-int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
-                       double u, float *work) {
+/* The filtered weights of a row into work (see kvq_sample_row for its layout): e = work + n, the chunks' sums
+ * after it, their total in *total. Returns 0, 1 when the row has a NaN or nothing finite (the caller takes its
+ * argmax instead), or a negative KVQ_E* code. */
+static int weights(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                   float *work, double *total) {
     if (n <= 0 || !(temperature > 0.0f)) return KVQ_EBADSHAPE;
     float *x = work, *e = work + n;
     double *sums = (double *)(void *)(work + 2 * n + (n & 1)); /* 8-byte aligned: work is */
@@ -186,7 +186,7 @@ int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_
     }
     int nan = 0;
     for (i = 0; i < n; i++) nan |= x[i] != x[i];
-    if (nan || mx == -INFINITY) return kvq_argmax_row(logits, n);
+    if (nan || mx == -INFINITY) return 1;
     float thr = -INFINITY;
     if (top_k > 0 && top_k < n) {
         if (top_k <= n / 16) {
@@ -202,11 +202,43 @@ int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_
     /* The largest e is exp(0) = 1 exactly, so min-p's floor is min_p itself. */
     const float floor_e = min_p > 0.0f ? min_p : 0.0f;
     for (i = 0; i < n; i++) e[i] = x[i] >= thr && x[i] > -INFINITY && e[i] >= floor_e ? e[i] : 0.0f;
-    double total = chunked_total(e, n, sums);
+    *total = chunked_total(e, n, sums);
     if (top_p < 1.0f) {
-        if (nucleus(e, n, total, top_p)) return KVQ_ENOMEM;
-        total = chunked_total(e, n, sums);
+        if (nucleus(e, n, *total, top_p)) return KVQ_ENOMEM;
+        *total = chunked_total(e, n, sums);
     }
+    return 0;
+}
+
+/* The distribution kvq_sample_row draws from, as probabilities (e / total, rounded to float) in probs[0..n): a
+ * point mass on the argmax for a row with a NaN or nothing finite. Returns 0 or a negative KVQ_E* code. */
+int kvq_sample_probs(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                     float *probs, float *work) {
+    double total = 0.0;
+    const int rc = weights(logits, n, temperature, top_k, top_p, min_p, work, &total);
+    if (rc < 0) return rc;
+    if (rc == 1) {
+        memset(probs, 0, sizeof(float) * (size_t)n);
+        probs[kvq_argmax_row(logits, n)] = 1.0f;
+        return 0;
+    }
+    const float *e = work + n;
+    for (int64_t i = 0; i < n; i++) probs[i] = (float)((double)e[i] / total);
+    return 0;
+}
+
+/* One token from logits[0..n) (temperature > 0; top_k <= 0 or >= n: off; top_p >= 1: off; min_p <= 0: off; u in
+ * [0, 1)). work: kvq_sample_work_bytes(n) bytes, 8-byte aligned. A row with a NaN, or nothing finite,
+ * gives its argmax (numpy's rule) instead. Returns the token, or a negative KVQ_E* code. */
+int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                       double u, float *work) {
+    double total = 0.0;
+    const int rc = weights(logits, n, temperature, top_k, top_p, min_p, work, &total);
+    if (rc < 0) return rc;
+    if (rc == 1) return kvq_argmax_row(logits, n);
+    const float *e = work + n;
+    const double *sums = (const double *)(const void *)(work + 2 * n + (n & 1));
+    int64_t i;
     /* The first index whose running mass exceeds u * total: the chunk by the chunks' sums, then within it entry
      * by entry from the mass before it (if rounding lets the target slip past a chunk's entries: its last kept
      * one). */
