@@ -117,7 +117,11 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: Optional[torch.G
 
 
 def process_row(row: torch.Tensor, r: SampleRow) -> torch.Tensor:
-    """One row of logits [vocab] with banned ids masked and penalties applied (a new tensor)."""
+    """One row of logits [vocab] with banned ids masked and penalties applied: a new tensor, or the row itself when
+    nothing applies (callers only read it)."""
+    p = r.params
+    if not (p.logit_bias or p.allowed_token_ids is not None or r.banned_ids or p.uses_penalties):
+        return row
     row = row.clone()
     if r.params.logit_bias:  # added to the raw logits, before penalties and temperature
         ids, bias = zip(*r.params.logit_bias.items())
