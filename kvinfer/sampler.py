@@ -180,6 +180,11 @@ class Sampler:
         simple = all(r.params.plain_greedy and not r.banned_ids for r in rows)
         raw = logits  # logprobs are reported from the model's distribution, before any mask
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not simple and c_sampling(logits) and all(r.params.plain and not r.banned_ids for r in rows):
+            # Grammar masks, argmaxes and draws of all rows in one C call: the tokens masking, then argmax_rows
+            # or sample_row would give.
+            tokens = self._sample_in_c(logits, rows, constrained)
+            return SampleResult(tokens, chosen_logprobs(raw, rows, tokens))
         if constrained:
             # All constrained rows of the step at once: the masks are computed in parallel by llguidance.
             logits = logits.clone()
@@ -195,3 +200,24 @@ class Sampler:
                     continue
                 tokens.append(sample_row(row, r.params, r.generator))
         return SampleResult(tokens, chosen_logprobs(raw, rows, tokens))
+
+    def _sample_in_c(self, logits: torch.Tensor, rows: Sequence[SampleRow], constrained: list[int]) -> list[int]:
+        """kernels.sample_rows over plain rows (nothing but temperature and the filters, no bans): the grammar rows'
+        masks as bits, each sampled row's next uniform number from its generator."""
+        from kvinfer import kernels
+
+        n = len(rows)
+        temp = torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32)
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
+        u = torch.zeros(n, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if not r.params.greedy:
+                u[i] = uniform(r.generator)[0]
+        allow = None
+        if constrained:
+            masks = self.grammars.bitmask([rows[i].grammar for i in constrained])
+            allow = torch.full((n, masks.shape[1]), -1, dtype=torch.int32)
+            allow[torch.tensor(constrained)] = masks
+        return kernels.active().sample_rows(logits.contiguous(), temp, top_k, top_p, min_p, u, allow)

@@ -109,20 +109,26 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return m.deep_copy()
 
-    def allowed(self, matchers: Sequence[Any]) -> np.ndarray:
-        """Allowed-token masks of the matchers' next tokens, computed in parallel: [rows, vocab] uint8 (1 = allowed)."""
+    def bitmask(self, matchers: Sequence[Any], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Allowed-token bits of the matchers' next tokens, computed in parallel: int32 [rows, words], bit j of word
+        w is token 32w + j (1 = allowed); written into `out` (rows of it, contiguous) when given. A matcher in an
+        error state allows nothing; its row then allows the EOS tokens, to end the sequence rather than sample
+        from nothing."""
         n = len(matchers)
-        bitmask = torch.full((n, self.words), -1, dtype=torch.int32)  # [rows, words]
+        bitmask = out if out is not None else torch.full((n, self.words), -1, dtype=torch.int32)
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                               self.words * 4, n)
-        # Bit j of word w is token 32w + j: little-endian bytes unpacked little-bit-first are in token order.
         words = bitmask.numpy()
-        bits = np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
-        # A matcher in an error state allows nothing; let it end the sequence rather than sample from nothing.
         dead = np.flatnonzero(~words.any(axis=1))
-        if len(dead) and self.eos_token_ids:
-            bits[np.ix_(dead, self.eos_token_ids)] = 1
-        return bits  # [rows, vocab]
+        for e in self.eos_token_ids if len(dead) else ():
+            words[dead, e // 32] |= np.int32(np.uint32(1 << (e % 32)).view(np.int32))
+        return bitmask
+
+    def allowed(self, matchers: Sequence[Any]) -> np.ndarray:
+        """Allowed-token masks of the matchers' next tokens, computed in parallel: [rows, vocab] uint8 (1 = allowed)."""
+        words = self.bitmask(matchers).numpy()
+        # Bit j of word w is token 32w + j: little-endian bytes unpacked little-bit-first are in token order.
+        return np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")  # [rows, vocab]
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Any],

@@ -143,3 +143,41 @@ def test_sample_probs_is_the_distribution_the_draw_takes(kw):
     nan = logits.clone()
     nan[5] = float("nan")
     assert lib.sample_probs(nan, 1.0, 0, 1.0, 0.0).tolist() == [1.0 if i == 5 else 0.0 for i in range(64)]
+
+
+def test_sample_rows_is_masking_then_the_row_kernels():
+    # The sampler's one C call for a step's plain rows (grammar masks as bits) gives each row the token that
+    # masking it (-inf) and then the argmax or sample_row gives, on 1 and 2 threads.
+    g = torch.Generator().manual_seed(4)
+    rows, n = 7, 1000
+    logits = torch.randn(rows, n, generator=g) * 3
+    logits[2, 17] = float("nan")  # a NaN the mask forbids: gone; one it allows (row 3): the argmax rule
+    logits[3, 5] = float("nan")
+    bits = torch.randint(0, 2, (rows, n), generator=g, dtype=torch.int64)
+    bits[2, 17], bits[3, 5] = 0, 1
+    bits[4] = 0  # nothing allowed
+    bits[5] = 0
+    bits[5, 999] = 1  # only the last token
+    words = torch.zeros(rows, (n + 31) // 32, dtype=torch.int64)
+    for i in range(n):
+        words[:, i // 32] |= bits[:, i] << (i % 32)
+    allow = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same bits as int32
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 0.0, 1.1], dtype=torch.float32)
+    top_k = torch.tensor([0, 0, 50, 0, 0, 0, 3], dtype=torch.int64)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 0.95], dtype=torch.float32)
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], dtype=torch.float32)
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    lib = kernels.active()
+    want = []
+    for r in range(rows):
+        row = torch.where(bits[r] == 1, logits[r], torch.tensor(float("-inf")))
+        want.append(lib.argmax_rows(row[None])[0] if temp[r] == 0 else
+                    lib.sample_row(row, float(temp[r]), int(top_k[r]), float(top_p[r]), float(min_p[r]), float(u[r])))
+    for threads in (1, 2):
+        assert lib.sample_rows(logits, temp, top_k, top_p, min_p, u, allow, num_threads=threads) == want
+    assert want[5] == 999 and want[3] == 5
+    # without masks: the rows as they are
+    plain = [lib.argmax_rows(logits[r][None])[0] if temp[r] == 0 else
+             lib.sample_row(logits[r], float(temp[r]), int(top_k[r]), float(top_p[r]), float(min_p[r]), float(u[r]))
+             for r in range(rows)]
+    assert lib.sample_rows(logits, temp, top_k, top_p, min_p, u) == plain

@@ -178,3 +178,38 @@ def test_bench_structured_json(capsys):
     assert free["decode_tokens"] == constrained["decode_tokens"] > 0  # same batch, same number of decode steps
     assert constrained["mask_calls"] > 0 and free["mask_calls"] == 0
     assert res["constrained_vs_unconstrained"] == constrained["decode_tps"] / free["decode_tps"]
+
+
+def test_a_dead_grammar_ends_the_sequence_and_both_sampler_paths_agree(llm):
+    # A matcher in an error state allows nothing: its row allows the EOS tokens (in bits, for the one-call C path,
+    # and unpacked, for the per-row path), so the request ends instead of drawing from nothing.
+    import torch
+
+    from kvinfer.sampler import Sampler, SampleRow
+
+    eng = llm.engine
+    dead = eng.grammar_matcher(StructuredOutput(choice=["yes", "no"]))
+    live = eng.grammar_matcher(StructuredOutput(choice=["yes", "no"]))
+    compiler = eng.sampler.grammars
+    bad = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert not dead.consume_token(bad)
+    eos = set(compiler.eos_token_ids)
+    allowed = compiler.allowed([dead, live])
+    assert set(allowed[0].nonzero()[0].tolist()) == eos
+    words = compiler.bitmask([dead]).numpy().view("uint32")[0]
+    assert {w * 32 + b for w in range(len(words)) for b in range(32) if words[w] >> b & 1} == eos
+    logits = torch.randn(4, allowed.shape[1], generator=torch.Generator().manual_seed(0))
+    sp = [SamplingParams(temperature=0.9), SamplingParams(temperature=0), SamplingParams(temperature=1.2),
+          SamplingParams(temperature=0)]
+    grams = [dead, live, None, None]
+
+    def rows(seed):
+        return [SampleRow(p, [], [], torch.Generator().manual_seed(seed + i), (), g)
+                for i, (p, g) in enumerate(zip(sp, grams))]
+
+    fast = Sampler(compiler).sample(logits, rows(1)).token_ids  # all plain: one C call
+    slow_rows = rows(1)
+    slow_rows[3] = SampleRow(SamplingParams(temperature=0, logit_bias={0: 0.0}), [], [], None, (), None)
+    slow = Sampler(compiler).sample(logits, slow_rows).token_ids  # a logit_bias row: the per-row path
+    assert fast == slow
+    assert fast[0] in eos and allowed[1][fast[1]] == 1

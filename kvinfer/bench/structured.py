@@ -74,17 +74,17 @@ def cmd_structured(args) -> int:
         engine.step()
     timer = {"mask": 0.0, "calls": 0}
     grammars = engine.sampler.grammars
-    allowed = grammars.allowed
+    bitmask = grammars.bitmask  # (allowed, the unpacked form, computes its masks through it too)
 
-    def timed_allowed(matchers):
+    def timed_bitmask(matchers, out=None):
         t0 = time.perf_counter()
         try:
-            return allowed(matchers)
+            return bitmask(matchers, out)
         finally:
             timer["mask"] += time.perf_counter() - t0
             timer["calls"] += 1
 
-    grammars.allowed = timed_allowed
+    grammars.bitmask = timed_bitmask
     runs = {"unconstrained": [], "json_schema": []}
     for _ in range(args.rounds):
         runs["unconstrained"].append(_run(engine, prompt, free, args.requests, timer))

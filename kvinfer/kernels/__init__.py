@@ -179,6 +179,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_sample_row": ([vp, i64, f32, i64, f32, f32, ctypes.c_double, vp], i64),
         "kvq_sample_work_bytes": ([i64], i64),
         "kvq_sample_probs": ([vp, i64, f32, i64, f32, f32, vp, vp], c_int),
+        "kvq_sample_rows": ([vp, i64, i64, vp, vp, vp, vp, vp, vp, i64, vp, c_int], c_int),
         "kvq_argmax_rows": ([vp, i64, i64, vp], None),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
@@ -514,6 +515,21 @@ class Kernels:
         t = self.lib.kvq_sample_row(row.data_ptr(), n, temperature, top_k, top_p, min_p, u, work.data_ptr())
         _check(min(t, 0), "sampling")
         return t
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, u: torch.Tensor, allow: Optional[torch.Tensor] = None,
+                    num_threads: Optional[int] = None) -> list[int]:
+        """Each row of logits [rows, n] (CPU float32, contiguous) to a token: its argmax where temperature is 0,
+        else sample_row's draw with u (float64 [rows]); allow (int32 [rows, ceil(n / 32)], bit i of a row: token
+        i allowed) masks tokens as a -inf logit would. Per-row parameters: float32 / int64 tensors [rows]."""
+        rows, n = logits.shape
+        words = 0 if allow is None else allow.shape[1]
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self.lib.kvq_sample_rows(logits.data_ptr(), rows, n, temperature.data_ptr(), top_k.data_ptr(),
+                                        top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(),
+                                        None if allow is None else allow.data_ptr(), words, out.data_ptr(),
+                                        _nt(num_threads)), "sampling")
+        return out.tolist()
 
     def sample_probs(self, row: torch.Tensor, temperature: float, top_k: int, top_p: float,
                      min_p: float) -> torch.Tensor:

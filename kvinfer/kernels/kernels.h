@@ -111,6 +111,9 @@ struct kvq_sampling {
 int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
                        double u, float *work);
 int64_t kvq_sample_work_bytes(int64_t n);
+int kvq_sample_rows(const float *logits, int64_t rows, int64_t n, const float *temperature, const int64_t *top_k,
+                    const float *top_p, const float *min_p, const double *u, const uint32_t *allow, int64_t words,
+                    int64_t *out, int nthreads);
 int kvq_sample_probs(const float *logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
                      float *probs, float *work);
 int kvq_decode_steps(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,

@@ -272,3 +272,45 @@ int64_t kvq_sample_row(const float *logits, int64_t n, float temperature, int64_
 int64_t kvq_sample_work_bytes(int64_t n) {
     return (int64_t)sizeof(float) * (2 * n + (n & 1)) + (int64_t)sizeof(double) * (n / CHUNK + 1);
 }
+
+/* Rows [rows, n] of logits, each to a token: the argmax (temperature[r] <= 0) or kvq_sample_row's draw with u[r];
+ * with allow ([rows, words] bits, token i of row r allowed iff bit i % 32 of word i / 32 is set), a forbidden
+ * token counts as a -inf logit, as if the row had been masked first (the same token as masking, then
+ * kvq_argmax_row or kvq_sample_row). Rows are independent and split over up to nthreads threads. Returns 0 or a
+ * negative KVQ_E* code (out[r] of the rows done is set). */
+int kvq_sample_rows(const float *logits, int64_t rows, int64_t n, const float *temperature, const int64_t *top_k,
+                    const float *top_p, const float *min_p, const double *u, const uint32_t *allow, int64_t words,
+                    int64_t *out, int nthreads) {
+    if (rows <= 0 || n <= 0 || (allow && words * 32 < n)) return KVQ_EBADSHAPE;
+    const int64_t wb = kvq_sample_work_bytes(n) + (int64_t)sizeof(float) * n; /* + the masked row */
+    int rc = KVQ_OK;
+#pragma omp parallel num_threads(nthreads > 1 && rows > 1 ? nthreads : 1)
+    {
+        float *work = (float *)malloc((size_t)wb);
+        if (!work) {
+#pragma omp atomic write
+            rc = KVQ_ENOMEM;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!work) continue;
+            const float *row = logits + r * n;
+            if (allow) {
+                float *masked = work + (wb - (int64_t)sizeof(float) * n) / (int64_t)sizeof(float);
+                const uint32_t *bits = allow + r * words;
+                for (int64_t i = 0; i < n; i++) masked[i] = bits[i >> 5] >> (i & 31) & 1u ? row[i] : -INFINITY;
+                row = masked;
+            }
+            const int64_t t = temperature[r] > 0.0f
+                ? kvq_sample_row(row, n, temperature[r], top_k[r], top_p[r], min_p[r], u[r], work)
+                : kvq_argmax_row(row, n);
+            out[r] = t;
+            if (t < 0) {
+#pragma omp atomic write
+                rc = (int)t;
+            }
+        }
+        free(work);
+    }
+    return rc;
+}
