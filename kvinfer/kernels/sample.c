@@ -1,6 +1,7 @@
 /* Drawing one token from a row of logits: temperature, top-k, top-p (nucleus) and min-p, then one uniform number
- * u in [0, 1) by inverse CDF. The sampler calls it for every sampled row on the CPU, and the fused multi-step
- * decode (kvq_decode_greedy) calls it between steps, so a token is the same whether its step was fused or not.
+ * u in [0, 1) by inverse CDF. The sampler calls it for every sampled row on the CPU (a step's plain rows at once
+ * through kvq_sample_rows), and the fused multi-step decode (kvq_decode_steps) calls it between steps, so a token
+ * is the same whether its step was fused or not.
  *
  * The arithmetic, fixed: x = logit / temperature (float32); top-k keeps x >= the k-th largest x (ties kept);
  * e = exp(x - max x) by the vector exp every level shares (simd.h), exactly 0 where a token is masked (a -inf
