@@ -104,6 +104,16 @@ def uniform(generator: Optional[torch.Generator], n: int = 1) -> torch.Tensor:
     return torch.rand(n, generator=generator, dtype=torch.float64)
 
 
+def row_params(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature, top_k, top_p, min_p) as the C kernels take them (float32 / int64 / float32 / float32
+    [rows]): temperature 0 for a greedy row (the argmax), which is how kvq_sample_rows and kvq_decode_steps tell
+    the two apart."""
+    return (torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32))
+
+
 def sample_row(row: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator]) -> int:
     """One token from a processed row of logits [vocab] (temperature > 0) with the request's generator: on the CPU
     by the C kernel (one uniform number per draw, the arithmetic the fused multi-step decode shares), elsewhere by
@@ -207,10 +217,6 @@ class Sampler:
         from kvinfer import kernels
 
         n = len(rows)
-        temp = torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32)
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
         u = torch.zeros(n, dtype=torch.float64)
         for i, r in enumerate(rows):
             if not r.params.greedy:
@@ -220,4 +226,4 @@ class Sampler:
             masks = self.grammars.bitmask([rows[i].grammar for i in constrained])
             allow = torch.full((n, masks.shape[1]), -1, dtype=torch.int32)
             allow[torch.tensor(constrained)] = masks
-        return kernels.active().sample_rows(logits.contiguous(), temp, top_k, top_p, min_p, u, allow)
+        return kernels.active().sample_rows(logits.contiguous(), *row_params([r.params for r in rows]), u, allow)

@@ -422,7 +422,7 @@ class LLMEngine:
         generator: n are taken up front, and a generator is left as if only the steps done had drawn), its
         logprobs computed from the same logits afterwards, and each token goes through _append_token in step
         order, so stop tokens, max_tokens and outputs are as step by step."""
-        from kvinfer.sampler import row_logprob, uniform
+        from kvinfer.sampler import row_logprob, row_params, uniform
 
         sch, m = self.scheduler, self.kv_manager
         reqs = list(sch.running)
@@ -438,8 +438,7 @@ class LLMEngine:
         sampling = uniforms = None
         drawn = [r for r in reqs if not r.params.greedy]
         if drawn:
-            sampling = [(0.0, 0, 1.0, 0.0) if r.params.greedy else
-                        (r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in reqs]
+            sampling = row_params([r.params for r in reqs])
             uniforms = torch.zeros((n, len(reqs)), dtype=torch.float64)
             states = {}
             for b, r in enumerate(reqs):

@@ -33,8 +33,8 @@ import torch
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
-           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer", "DecodeJob", "Sampling",
-           "library_path", "build", "load", "describe"]
+           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer", "DecodeJob",
+           "Sampling", "library_path", "build", "load", "describe"]
 
 log = logging.getLogger("kvinfer.kernels")
 

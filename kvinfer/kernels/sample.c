@@ -89,8 +89,9 @@ static inline uint32_t bucket_of(float e) {
     return b >> 19;
 }
 
-/* Top-p over e[0..n) (entries >= 0; total = their sum, > 0): zeroes the tokens outside the nucleus. The mass ranked before a token is the sums of the buckets
- * above its own (each summed in index order, added from the top), plus the tokens ranked before it in its bucket;
+/* Top-p over e[0..n) (entries >= 0; total = their sum, > 0): zeroes the tokens outside the nucleus. The mass
+ * ranked before a token is the sums of the buckets above its own (each summed in index order, added from the
+ * top), plus the tokens ranked before it in its bucket;
  * every token of a lower bucket has at least the mass of all higher ones, so the cut falls in one bucket, the only
  * one sorted. Returns KVQ_ENOMEM when out of memory, else 0. */
 static int nucleus(float *e, int64_t n, double total, double top_p) {

@@ -152,12 +152,12 @@ class FusedDecode:
         return self.embed is not None and self.head is not None
 
     def decode_steps(self, ids: list[int], tables: list[list[int]], lens: list[int], nsteps: int,
-                     stop_ids: list[int], sampling: Optional[list[tuple[float, int, float, float]]] = None,
+                     stop_ids: list[int], sampling: Optional[tuple[torch.Tensor, ...]] = None,
                      uniforms: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to nsteps decode steps of B sequences in one C call (kernels.decode_steps): ids[b] is each
         sequence's last token, lens[b] its length with it, tables[b] its block table, already holding positions
-        up to lens[b] - 2 + nsteps. Each step's token is the row's argmax, or with `sampling` ((temperature,
-        top_k, top_p, min_p) per sequence, temperature 0 for the argmax) drawn by kernels.sample_row with
+        up to lens[b] - 2 + nsteps. Each step's token is the row's argmax, or with `sampling` (sampler.row_params:
+        temperature, top_k, top_p, min_p per sequence, temperature 0 for the argmax) drawn by kernels.sample_row with
         uniforms[s, b] (float64 [nsteps, B]). Stops early after a step that produced one of stop_ids. Returns
         (tokens [steps, B], logits [steps, B, vocab]) of the steps done: the very logits a step at a time would
         give."""
@@ -173,10 +173,7 @@ class FusedDecode:
         job = self._job(B, x, idt, lent, t, lent, out, self.head, logits)  # (slots: not read, the C loop derives them)
         sp = keep = None
         if sampling is not None:
-            temp, topk, topp, minp = zip(*sampling)
-            keep = (torch.tensor(temp, dtype=torch.float32), torch.tensor(topk, dtype=torch.int64),
-                    torch.tensor(topp, dtype=torch.float32), torch.tensor(minp, dtype=torch.float32),
-                    uniforms.to(torch.float64).contiguous())
+            keep = (*sampling, uniforms.to(torch.float64).contiguous())
             if keep[4].shape != (nsteps, B):
                 raise ValueError(f"uniforms must be [{nsteps}, {B}], got {list(keep[4].shape)}")
             sp = kernels.Sampling(*(a.data_ptr() for a in keep))
