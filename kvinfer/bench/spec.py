@@ -54,6 +54,21 @@ def _spec_stats(engine) -> tuple[int, int, int]:
     return st["spec_drafts"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
 
 
+def copied_share(prompt: list[int], output: list[int], n: int = 3) -> float:
+    """The share of output tokens that end an n-gram already seen in the prompt or earlier in the output: the
+    tokens a prompt-lookup proposal could have known."""
+    seen, ctx, hits = set(), list(prompt), 0
+    for i in range(len(ctx) - n + 1):
+        seen.add(tuple(ctx[i:i + n]))
+    for t in output:
+        gram = tuple(ctx[len(ctx) - n + 1:] + [t]) if len(ctx) >= n - 1 else None
+        if gram is not None and len(gram) == n:
+            hits += gram in seen
+            seen.add(gram)
+        ctx.append(t)
+    return hits / len(output) if output else 0.0
+
+
 def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -61,6 +76,7 @@ def _median(runs: list[dict], key: str) -> float:
 def _measure(engine, how: str, prompts, params) -> dict:
     """One workload through one engine: one prompt at a time ("single") or all at once ("batch")."""
     before = _spec_stats(engine)
+    per = []  # single stream: each prompt's seconds
     if how == "single":
         outs, secs, dsecs = [], 0.0, 0.0
         for p, sp in zip(prompts, params):
@@ -68,11 +84,12 @@ def _measure(engine, how: str, prompts, params) -> dict:
             outs += o
             secs += s
             dsecs += ds
+            per.append(s)
     else:
         outs, secs, dsecs = _run(engine, prompts, params)
     d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
     gen = sum(len(o) for o in outs)
-    return dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs,
+    return dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs, per_prompt_s=per,
                 decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
                 drafts=d, draft_tokens=p, accepted_tokens=a)
 
@@ -138,6 +155,15 @@ def cmd_spec(args) -> int:
                          generated_on=ons[-1]["generated"], decode_tps_off=_median(offs, "decode_tps"),
                          decode_tps_on=_median(ons, "decode_tps"),
                          decode_speedup=statistics.median(dec) if dec else 0.0))
+    single_off, single_on = results[phases[0][0]]["off"], results[phases[0][0]]["on"]
+    per_prompt = []
+    for i, prompt in enumerate(extractive):
+        off_s = statistics.median(r["per_prompt_s"][i] for r in single_off)
+        on_s = statistics.median(r["per_prompt_s"][i] for r in single_on)
+        out = single_on[-1]["outputs"][i]
+        per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out), copied=copied_share(prompt, out),
+                               ms_off=off_s * 1e3, ms_on=on_s * 1e3, speedup=off_s / on_s))
+    rows[0]["prompts"] = per_prompt
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
@@ -154,6 +180,10 @@ def cmd_spec(args) -> int:
         print(f"{r['workload']:<36}{r['tps_off']:>10.1f}{r['tps_on']:>10.1f}{r['speedup']:>9.2f}x"
               f"{r['acceptance_rate'] * 100:>9.0f}%{r['mean_accepted_length']:>10.2f}"
               f"{r['identical']:>7}/{r['requests']}")
+    print("single stream per prompt (copied: output tokens that end a 3-gram already in the prompt or output):")
+    for i, pp in enumerate(per_prompt):
+        print(f"  prompt {i + 1}: {pp['prompt_tokens']:>4} tokens in, {pp['generated']:>4} out, copied "
+              f"{pp['copied'] * 100:3.0f}%, {pp['ms_off']:7.1f} -> {pp['ms_on']:7.1f} ms, {pp['speedup']:.2f}x")
     single = rows[0]
     print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
           f"{single['decode_tps_on']:.1f} tok/s, {single['decode_speedup']:.2f}x")
