@@ -16,8 +16,9 @@ def register_spec(bs) -> None:
                                   "passage; chat template, greedy) one at a time and all at once, then the bench "
                                   "throughput workload's random-token prompts (non-extractive), each with "
                                   "speculation off and on, on the same loaded weights: generated tokens/s, the "
-                                  "speed-up, acceptance rate, mean accepted length, and whether the outputs are "
-                                  "identical. Without --speculative/--speculative-model it uses --speculative ngram.")
+                                  "speed-up, acceptance rate, mean accepted length, whether the outputs are "
+                                  "identical, and the single stream prompt by prompt (time off and on, the share of "
+                                  "output tokens a prompt lookup could have known). Without --speculative/--speculative-model it uses --speculative ngram.")
     s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
                    help="new tokens per extractive prompt, at most (default 128)")
     s.add_argument("--prompts", type=int_at_least("--prompts", 1, 8), default=8,
