@@ -308,23 +308,28 @@ def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
     # columns (past a multiple of 32), must be the bits the vector route and the portable level give it, bias
     # included.
     lib = kernels.library("avx512")
-    assert lib.amx, "AMX is granted here, so the avx512 level must use it"
+    was = lib.amx  # (KVINFER_AMX=0 starts the library with the tiles off; this test turns them on itself)
+    assert lib.set_amx(True), "AMX is granted here, so the avx512 level must be able to use it"
     lo = lib.amx_min_rows
     assert 1 < lo <= 33
     generic = kernels.library("generic")
-    for n, k, m in [(37, 64, lo), (129, 576, 33), (61, 1536, 40), (5, 32, lo + 1), (100, 608, 47), (45, 576, 64)]:
-        w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
-        x, b = torch.randn(m, k), torch.randn(n)
-        tiles = lib.matmul(x, w, qtype, bias=b)
-        try:
-            lib.set_amx(False)
-            vector = lib.matmul(x, w, qtype, bias=b)
-        finally:
-            assert lib.set_amx(True)
-        assert torch.equal(tiles, vector), (n, k, m)
-        assert torch.equal(tiles, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
-        assert torch.equal(tiles[m - 1:], lib.matmul(x[m - 1:].clone(), w, qtype, bias=b))  # one row: vectors
-    assert ("AMX tiles" in kernels.describe()) == (kernels.level() == "avx512")  # (KVINFER_ISA may force lower)
+    try:
+        for n, k, m in [(37, 64, lo), (129, 576, 33), (61, 1536, 40), (5, 32, lo + 1), (100, 608, 47), (45, 576, 64)]:
+            w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
+            x, b = torch.randn(m, k), torch.randn(n)
+            tiles = lib.matmul(x, w, qtype, bias=b)
+            try:
+                lib.set_amx(False)
+                vector = lib.matmul(x, w, qtype, bias=b)
+            finally:
+                assert lib.set_amx(True)
+            assert torch.equal(tiles, vector), (n, k, m)
+            assert torch.equal(tiles, generic.matmul(x, w, qtype, bias=b)), (n, k, m)
+            assert torch.equal(tiles[m - 1:], lib.matmul(x[m - 1:].clone(), w, qtype, bias=b))  # one row: vectors
+    finally:
+        lib.set_amx(was)
+    # (KVINFER_ISA may force a lower level, KVINFER_AMX=0 the tiles off)
+    assert ("AMX tiles" in kernels.describe()) == (kernels.level() == "avx512" and kernels.active().amx)
 
 
 def test_amx_can_be_switched_off(monkeypatch, reloaded_kernels):
