@@ -314,7 +314,9 @@ def test_amx_tiles_give_the_same_bits_as_the_vector_route(qtype):
     assert 1 < lo <= 33
     generic = kernels.library("generic")
     try:
-        for n, k, m in [(37, 64, lo), (129, 576, 33), (61, 1536, 40), (5, 32, lo + 1), (100, 608, 47), (45, 576, 64)]:
+        # (1290 x 4096: more column passes per thread than one span of the AMX scratch holds, and a partial span)
+        for n, k, m in [(37, 64, lo), (129, 576, 33), (61, 1536, 40), (5, 32, lo + 1), (100, 608, 47), (45, 576, 64),
+                        (1290, 4096, lo)]:
             w = torch.from_numpy(make_raw(qtype, n, k, seed=n))
             x, b = torch.randn(m, k), torch.randn(n)
             tiles = lib.matmul(x, w, qtype, bias=b)
@@ -546,7 +548,7 @@ def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
     lib = kernels.library("avx512")
     generic = kernels.library("generic")
     amx = lib.amx
-    for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608), (16, 32), (3, 32)]:
+    for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608), (16, 32), (3, 32), (1290, 4096)]:  # (the last: spans)
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n + 1))
         b = torch.randn(n)
         lo = lib.amx_min_rows or 24

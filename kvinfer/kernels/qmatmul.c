@@ -642,8 +642,11 @@ static const uint8_t *amx_kept_tiles(const struct job *j) {
  * Xeon, 2 threads, the built-in model's matmuls, the same bits): 512 rows 1.38-1.41x, 103 rows 1.38x, 24 rows
  * 1.07x. perf put the old order's stalls on the tile loads of x from L2; tile multiplies and the float work
  * hardly overlap either way (a loop of both takes about the sum of each alone). */
-/* A thread's AMX scratch (the pass operands of its columns), kept between calls: a fresh allocation of this size
- * is a fresh mapping, whose page faults cost more than the multiplies of a small matmul. */
+/* A thread's AMX scratch (the operands of a span of its column passes), kept between calls: a fresh allocation of
+ * this size is a fresh mapping, whose page faults cost more than the multiplies of a small matmul. At most
+ * AMX_SCRATCH_BYTES (plus the passes' pointers) per thread, so the span stays in L2 and a large model's biggest
+ * weight does not grow it. */
+#define AMX_SCRATCH_BYTES (1536 * 1024)
 static uint8_t *amx_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
@@ -662,103 +665,110 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
     const int64_t nb = j->K / QK, K = j->K;
     const int64_t P = (n1 - n0 + AMX_COLS - 1) / AMX_COLS;
     const int direct = KEPT && j->qt == QT_Q8_0; /* tiles loaded straight from the kept copy, no bt */
-    const size_t btb = direct ? 0 : (size_t)(P * nb * 2 * 8 * 64), fb = sizeof(float) * (size_t)(P * nb * AMX_COLS);
-    uint8_t *scr = amx_scratch(btb + 2 * fb + sizeof(void *) * (size_t)(2 * P));
+    /* passes unpacked at a time: their operands fit AMX_SCRATCH_BYTES (a large weight goes in spans of passes) */
+    const size_t pass_bytes = (direct ? 0 : (size_t)nb * 2 * 8 * 64) + 2 * sizeof(float) * (size_t)nb * AMX_COLS;
+    int64_t PC = (int64_t)(AMX_SCRATCH_BYTES / pass_bytes);
+    PC = PC < 1 ? 1 : PC > P ? P : PC;
+    const size_t btb = direct ? 0 : (size_t)(PC * nb * 2 * 8 * 64), fb = sizeof(float) * (size_t)(PC * nb * AMX_COLS);
+    uint8_t *scr = amx_scratch(btb + 2 * fb + sizeof(void *) * (size_t)(2 * PC));
     if (!scr) return KVQ_ENOMEM;
     int8_t *bt = direct ? NULL : (int8_t *)scr;
     float *d = (float *)(scr + btb), *m = (float *)(scr + btb + fb);
     const uint8_t **gp = (const uint8_t **)(scr + btb + 2 * fb);
     static const int8_t zeros[8 * 64] __attribute__((aligned(64)));
     const int64_t gb = kept_group_bytes(nb, j->qt);
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t c0 = n0 + p * AMX_COLS, c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
-        const uint8_t **g = gp + 2 * p;
-        int8_t *btp = bt ? bt + p * nb * 2 * 8 * 64 : NULL;
-        float *dp = d + p * nb * AMX_COLS, *mp = m + p * nb * AMX_COLS;
-        g[0] = g[1] = NULL;
-        if (KEPT) {
-            g[0] = kept + c0 / KEPT_COLS * gb;
-            if (c0 + KEPT_COLS < j->N) g[1] = g[0] + gb;
-            for (int t = 0; t < 2; t++) {
-                const uint16_t *dh = g[t] ? (const uint16_t *)(g[t] + nb * kept_qbytes(j->qt)) : NULL;
-                for (int64_t b = 0; b < nb; b++) {
-                    __m512 vd = _mm512_setzero_ps(), vm = vd;
-                    if (dh) vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
-                    if (dh && j->qt == QT_Q4_1)
-                        vm = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + (nb + b) * KEPT_COLS)));
-                    _mm512_store_ps(dp + b * AMX_COLS + 16 * t, vd);
-                    _mm512_store_ps(mp + b * AMX_COLS + 16 * t, vm);
-                    if (!direct) {
-                        __m512i W[8];
-                        if (g[t]) kept_quants(g[t], b, j->qt, W);
-                        for (int k = 0; k < 8; k++)
-                            _mm512_store_si512(btp + (b * 2 + t) * 8 * 64 + 64 * k,
-                                               g[t] ? W[k] : _mm512_setzero_si512());
-                    }
-                }
-            }
-        } else {
-            amx_pack(j->w, j->ldw, j->qt, nb, c0, c1, btp, dp, mp);
-        }
-    }
-    amx_config();
     int32_t cbuf[2][4][16][16] __attribute__((aligned(64))); /* block b's products, read while b + 1's multiply */
     __m512 acc[16][2];
-    for (int64_t r0 = 0; r0 < j->M; r0 += 16) {
-        const int rows = j->M - r0 < 16 ? (int)(j->M - r0) : 16;
-        for (int64_t p = 0; p < P; p++) {
+    amx_config();
+    for (int64_t q0 = 0; q0 < P; q0 += PC) {
+        const int64_t q1 = q0 + PC < P ? q0 + PC : P;
+        for (int64_t p = q0; p < q1; p++) {
             const int64_t c0 = n0 + p * AMX_COLS, c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
-            const uint8_t **g = gp + 2 * p;
-            const int8_t *btp = bt ? bt + p * nb * 2 * 8 * 64 : NULL;
-            const float *dp = d + p * nb * AMX_COLS, *mp = m + p * nb * AMX_COLS;
-            for (int r = 0; r < 16; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-            for (int64_t b = 0; b <= nb; b++) {
-                if (b < nb) {
-                    const int i = (int)(b & 1);
-                    const int8_t *b0t = btp + (b * 2) * 8 * 64, *b1t = btp + (b * 2 + 1) * 8 * 64;
-                    if (direct)
-                        b0t = (const int8_t *)g[0] + b * 512, b1t = g[1] ? (const int8_t *)g[1] + b * 512 : zeros;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    _tile_loadd(4, xh + r0 * K + b * QK, K);
-                    _tile_loadd(5, xl + r0 * K + b * QK, K);
-                    _tile_loadd(6, b0t, 64);
-                    _tile_loadd(7, b1t, 64);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbusd(1, 5, 6);
-                    _tile_dpbssd(2, 4, 7);
-                    _tile_dpbusd(3, 5, 7);
-                    _tile_stored(0, cbuf[i][0], 64);
-                    _tile_stored(1, cbuf[i][1], 64);
-                    _tile_stored(2, cbuf[i][2], 64);
-                    _tile_stored(3, cbuf[i][3], 64);
-                }
-                if (b > 0) {
-                    const int64_t bp = b - 1;
-                    const int i = (int)(bp & 1);
-                    for (int r = 0; r < rows; r++) {
-                        const int64_t xb = (r0 + r) * nb + bp;
-                        const __m512 sdx = _mm512_set1_ps(j->dx[xb]);
-                        for (int t = 0; t < 2; t++) {
-                            const __m512i hi = _mm512_load_si512(cbuf[i][2 * t][r]);
-                            const __m512i lo = _mm512_load_si512(cbuf[i][2 * t + 1][r]);
-                            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
-                            const __m512 sc = _mm512_mul_ps(_mm512_load_ps(dp + bp * AMX_COLS + 16 * t), sdx);
-                            acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
-                            if (Q41)
-                                acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(mp + bp * AMX_COLS + 16 * t),
-                                                            _mm512_set1_ps(j->sx[xb]), acc[r][t]);
+            const uint8_t **g = gp + 2 * (p - q0);
+            int8_t *btp = bt ? bt + (p - q0) * nb * 2 * 8 * 64 : NULL;
+            float *dp = d + (p - q0) * nb * AMX_COLS, *mp = m + (p - q0) * nb * AMX_COLS;
+            g[0] = g[1] = NULL;
+            if (KEPT) {
+                g[0] = kept + c0 / KEPT_COLS * gb;
+                if (c0 + KEPT_COLS < j->N) g[1] = g[0] + gb;
+                for (int t = 0; t < 2; t++) {
+                    const uint16_t *dh = g[t] ? (const uint16_t *)(g[t] + nb * kept_qbytes(j->qt)) : NULL;
+                    for (int64_t b = 0; b < nb; b++) {
+                        __m512 vd = _mm512_setzero_ps(), vm = vd;
+                        if (dh) vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
+                        if (dh && j->qt == QT_Q4_1)
+                            vm = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + (nb + b) * KEPT_COLS)));
+                        _mm512_store_ps(dp + b * AMX_COLS + 16 * t, vd);
+                        _mm512_store_ps(mp + b * AMX_COLS + 16 * t, vm);
+                        if (!direct) {
+                            __m512i W[8];
+                            if (g[t]) kept_quants(g[t], b, j->qt, W);
+                            for (int k = 0; k < 8; k++)
+                                _mm512_store_si512(btp + (b * 2 + t) * 8 * 64 + 64 * k,
+                                                   g[t] ? W[k] : _mm512_setzero_si512());
                         }
                     }
                 }
+            } else {
+                amx_pack(j->w, j->ldw, j->qt, nb, c0, c1, btp, dp, mp);
             }
-            for (int r = 0; r < rows; r++) {
-                float out[AMX_COLS] __attribute__((aligned(64)));
-                _mm512_store_ps(out, acc[r][0]), _mm512_store_ps(out + 16, acc[r][1]);
-                float *yr = j->y + (r0 + r) * j->ldy;
-                for (int64_t n = c0; n < c1; n++) yr[n] = j->bias ? out[n - c0] + j->bias[n] : out[n - c0];
+        }
+        for (int64_t r0 = 0; r0 < j->M; r0 += 16) {
+            const int rows = j->M - r0 < 16 ? (int)(j->M - r0) : 16;
+            for (int64_t p = q0; p < q1; p++) {
+                const int64_t c0 = n0 + p * AMX_COLS, c1 = c0 + AMX_COLS < n1 ? c0 + AMX_COLS : n1;
+                const uint8_t **g = gp + 2 * (p - q0);
+                const int8_t *btp = bt ? bt + (p - q0) * nb * 2 * 8 * 64 : NULL;
+                const float *dp = d + (p - q0) * nb * AMX_COLS, *mp = m + (p - q0) * nb * AMX_COLS;
+                for (int r = 0; r < 16; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                for (int64_t b = 0; b <= nb; b++) {
+                    if (b < nb) {
+                        const int i = (int)(b & 1);
+                        const int8_t *b0t = btp + (b * 2) * 8 * 64, *b1t = btp + (b * 2 + 1) * 8 * 64;
+                        if (direct)
+                            b0t = (const int8_t *)g[0] + b * 512, b1t = g[1] ? (const int8_t *)g[1] + b * 512 : zeros;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_loadd(4, xh + r0 * K + b * QK, K);
+                        _tile_loadd(5, xl + r0 * K + b * QK, K);
+                        _tile_loadd(6, b0t, 64);
+                        _tile_loadd(7, b1t, 64);
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbusd(1, 5, 6);
+                        _tile_dpbssd(2, 4, 7);
+                        _tile_dpbusd(3, 5, 7);
+                        _tile_stored(0, cbuf[i][0], 64);
+                        _tile_stored(1, cbuf[i][1], 64);
+                        _tile_stored(2, cbuf[i][2], 64);
+                        _tile_stored(3, cbuf[i][3], 64);
+                    }
+                    if (b > 0) {
+                        const int64_t bp = b - 1;
+                        const int i = (int)(bp & 1);
+                        for (int r = 0; r < rows; r++) {
+                            const int64_t xb = (r0 + r) * nb + bp;
+                            const __m512 sdx = _mm512_set1_ps(j->dx[xb]);
+                            for (int t = 0; t < 2; t++) {
+                                const __m512i hi = _mm512_load_si512(cbuf[i][2 * t][r]);
+                                const __m512i lo = _mm512_load_si512(cbuf[i][2 * t + 1][r]);
+                                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+                                const __m512 sc = _mm512_mul_ps(_mm512_load_ps(dp + bp * AMX_COLS + 16 * t), sdx);
+                                acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
+                                if (Q41)
+                                    acc[r][t] = _mm512_fmadd_ps(_mm512_load_ps(mp + bp * AMX_COLS + 16 * t),
+                                                                _mm512_set1_ps(j->sx[xb]), acc[r][t]);
+                            }
+                        }
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    float out[AMX_COLS] __attribute__((aligned(64)));
+                    _mm512_store_ps(out, acc[r][0]), _mm512_store_ps(out + 16, acc[r][1]);
+                    float *yr = j->y + (r0 + r) * j->ldy;
+                    for (int64_t n = c0; n < c1; n++) yr[n] = j->bias ? out[n - c0] + j->bias[n] : out[n - c0];
+                }
             }
         }
     }
