@@ -634,14 +634,6 @@ static const uint8_t *amx_kept_tiles(const struct job *j) {
     return t;
 }
 
-/* Output columns n0..n1 (n0 a multiple of AMX_COLS) of all M rows; xh / xl: the activations' split bytes, [M
- * rounded up to 16][K]; kept: the weight in tile layout, or NULL to unpack each pass here.
- * Every pass's operands are unpacked first (the same work as one pass at a time), then each 16-row group of x
- * (its bytes stay in L1) meets every pass, and a block's float work runs while the next block multiplies. This
- * order against pass after pass over all rows, with 4 blocks' products stored before their float work (Intel
- * Xeon, 2 threads, the built-in model's matmuls, the same bits): 512 rows 1.38-1.41x, 103 rows 1.38x, 24 rows
- * 1.07x. perf put the old order's stalls on the tile loads of x from L2; tile multiplies and the float work
- * hardly overlap either way (a loop of both takes about the sum of each alone). */
 /* A thread's AMX scratch (the operands of a span of its column passes), kept between calls: a fresh allocation of
  * this size is a fresh mapping, whose page faults cost more than the multiplies of a small matmul. At most
  * AMX_SCRATCH_BYTES (plus the passes' pointers) per thread, so the span stays in L2 and a large model's biggest
@@ -659,6 +651,15 @@ static uint8_t *amx_scratch(size_t n) {
     return buf;
 }
 
+/* Output columns n0..n1 (n0 a multiple of AMX_COLS) of all M rows; xh / xl: the activations' split bytes, [M
+ * rounded up to 16][K]; kept: the weight in tile layout, or NULL to unpack each pass here.
+ * The passes' operands are unpacked first (all of them, or a span that fits the scratch; the same work as one
+ * pass at a time), then each 16-row group of x (its bytes stay in L1) meets every pass of the span, and a block's
+ * float work runs while the next block multiplies. This order against pass after pass over all rows, with 4
+ * blocks' products stored before their float work (Intel Xeon, 2 threads, the built-in model's matmuls, the same
+ * bits): 512 rows 1.38-1.41x, 103 rows 1.38x, 24 rows 1.07x. perf put the old order's stalls on the tile loads of
+ * x from L2; tile multiplies and the float work hardly overlap either way (a loop of both takes about the sum of
+ * each alone). */
 static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j, const int8_t *xh,
                                                            const uint8_t *xl, int64_t n0, int64_t n1,
                                                            const uint8_t *kept, const int KEPT, const int Q41) {
@@ -687,8 +688,8 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
             const uint8_t **g = gp + 2 * (p - q0);
             int8_t *btp = bt ? bt + (p - q0) * nb * 2 * 8 * 64 : NULL;
             float *dp = d + (p - q0) * nb * AMX_COLS, *mp = m + (p - q0) * nb * AMX_COLS;
-            g[0] = g[1] = NULL;
-            if (KEPT) {
+            g[0] = g[1] = NULL; /* the kept groups of this pass's two tiles (NULL: past N, zeros) */
+            if (KEPT) { /* d, m as floats (F16C: exact, as kvq_half); 4-bit quants as bytes */
                 g[0] = kept + c0 / KEPT_COLS * gb;
                 if (c0 + KEPT_COLS < j->N) g[1] = g[0] + gb;
                 for (int t = 0; t < 2; t++) {
@@ -696,7 +697,7 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
                     for (int64_t b = 0; b < nb; b++) {
                         __m512 vd = _mm512_setzero_ps(), vm = vd;
                         if (dh) vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
-                        if (dh && j->qt == QT_Q4_1)
+                        if (dh && Q41)
                             vm = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + (nb + b) * KEPT_COLS)));
                         _mm512_store_ps(dp + b * AMX_COLS + 16 * t, vd);
                         _mm512_store_ps(mp + b * AMX_COLS + 16 * t, vm);
@@ -739,7 +740,7 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
                         _tile_dpbusd(1, 5, 6);
                         _tile_dpbssd(2, 4, 7);
                         _tile_dpbusd(3, 5, 7);
-                        _tile_stored(0, cbuf[i][0], 64);
+                        _tile_stored(0, cbuf[i][0], 64); /* tile numbers are immediates */
                         _tile_stored(1, cbuf[i][1], 64);
                         _tile_stored(2, cbuf[i][2], 64);
                         _tile_stored(3, cbuf[i][3], 64);
