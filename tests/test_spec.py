@@ -433,14 +433,18 @@ def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_
     assert_engine_clean(llm.engine)
 
 
-def test_copied_share_counts_the_tokens_a_prompt_lookup_could_know():
-    from kvinfer.bench.spec import copied_share
+def test_lookup_share_counts_the_tokens_the_ngram_lookup_would_have_proposed():
+    from kvinfer.bench.spec import lookup_share
 
-    # A token counts when it ends a 3-gram already seen in the prompt or earlier in the output.
-    assert copied_share([1, 2, 3, 4], [2, 3, 4]) == pytest.approx(1 / 3)  # only 4 closes (2, 3, 4)
-    assert copied_share([5, 6, 7], [5, 6, 7, 5, 6, 7]) == pytest.approx(4 / 6)  # the output's own 3-grams too
-    assert copied_share([1], [1, 1, 1]) == pytest.approx(1 / 3)  # too little context for the first token
-    assert copied_share([1, 2, 3], []) == 0.0 and copied_share([1, 2, 3], [9, 8, 7]) == 0.0
+    # A token counts when the engine's n-gram lookup (1..4), given everything before it, proposes it first.
+    assert lookup_share([1, 2, 3, 4], [2, 3, 4]) == pytest.approx(2 / 3)  # 4 was never seen: 2 is a miss
+    assert lookup_share([5, 6, 7], [5, 6, 7, 5, 6, 7]) == pytest.approx(5 / 6)  # the output's own n-grams too
+    assert lookup_share([1], [1, 1, 1]) == pytest.approx(2 / 3)  # no context to look up for the first token
+    # the latest occurrence of the longest matching suffix: (1, 2) was last followed by 4, not 3
+    assert lookup_share([1, 2, 3, 9, 1, 2, 4], [1, 2, 4]) == pytest.approx(2 / 3)
+    assert lookup_share([1, 2, 3, 9, 1, 2, 4], [1, 2, 3]) == pytest.approx(1 / 3)
+    assert lookup_share([1, 2, 3], []) == 0.0 and lookup_share([1, 2, 3], [9, 8, 7]) == 0.0
+    assert lookup_share([1, 2, 3, 1], [2, 3], ngram_min=3) == 0.0  # (3 ..: no 3-gram of the suffix recurs)
 
 
 def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
@@ -461,7 +465,7 @@ def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
     per = res["rows"][0]["prompts"]  # single stream, prompt by prompt
     assert len(per) == 2 and sum(p["generated"] for p in per) == res["rows"][0]["generated_on"]
     for p in per:
-        assert 0.0 <= p["copied"] <= 1.0 and p["prompt_tokens"] > 0
+        assert 0.0 <= p["lookup"] <= 1.0 and p["prompt_tokens"] > 0
         assert p["speedup"] == pytest.approx(p["ms_off"] / p["ms_on"])
     assert res["num_speculative_tokens"] == (8 if kernels.level() == "avx512" else 4)
     # Rounds: off and on back to back in each, the speed-up the median of the rounds' own ratios

@@ -6,6 +6,7 @@ import statistics
 import time
 
 from kvinfer.bench import machine, machine_line
+from kvinfer.spec.ngram import NgramIndex
 
 
 def register_spec(bs) -> None:
@@ -18,7 +19,8 @@ def register_spec(bs) -> None:
                                   "speculation off and on, on the same loaded weights: generated tokens/s, the "
                                   "speed-up, acceptance rate, mean accepted length, whether the outputs are "
                                   "identical, and the single stream prompt by prompt (time off and on, the share of "
-                                  "output tokens a prompt lookup could have known). Without --speculative/--speculative-model it uses --speculative ngram.")
+                                  "output tokens the n-gram lookup would have proposed). Without "
+                                  "--speculative/--speculative-model it uses --speculative ngram.")
     s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
                    help="new tokens per extractive prompt, at most (default 128)")
     s.add_argument("--prompts", type=int_at_least("--prompts", 1, 8), default=8,
@@ -55,17 +57,12 @@ def _spec_stats(engine) -> tuple[int, int, int]:
     return st["spec_drafts"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
 
 
-def copied_share(prompt: list[int], output: list[int], n: int = 3) -> float:
-    """The share of output tokens that end an n-gram already seen in the prompt or earlier in the output: the
-    tokens a prompt-lookup proposal could have known."""
-    seen, ctx, hits = set(), list(prompt), 0
-    for i in range(len(ctx) - n + 1):
-        seen.add(tuple(ctx[i:i + n]))
+def lookup_share(prompt: list[int], output: list[int], ngram_min: int = 1, ngram_max: int = 4) -> float:
+    """The share of output tokens that the n-gram prompt lookup (kvinfer.spec.ngram, as the engine runs it) would
+    have proposed first, given the prompt and the output before each: what speculation could have known."""
+    index, ctx, hits = NgramIndex(ngram_min, ngram_max), list(prompt), 0
     for t in output:
-        gram = tuple(ctx[len(ctx) - n + 1:] + [t]) if len(ctx) >= n - 1 else None
-        if gram is not None and len(gram) == n:
-            hits += gram in seen
-            seen.add(gram)
+        hits += index.propose(ctx, 1) == [t]
         ctx.append(t)
     return hits / len(output) if output else 0.0
 
@@ -162,7 +159,7 @@ def cmd_spec(args) -> int:
         off_s = statistics.median(r["per_prompt_s"][i] for r in single_off)
         on_s = statistics.median(r["per_prompt_s"][i] for r in single_on)
         out = single_on[-1]["outputs"][i]
-        per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out), copied=copied_share(prompt, out),
+        per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out), lookup=lookup_share(prompt, out, cfg.ngram_min, cfg.ngram_max),
                                ms_off=off_s * 1e3, ms_on=on_s * 1e3, speedup=off_s / on_s))
     rows[0]["prompts"] = per_prompt
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
@@ -181,10 +178,10 @@ def cmd_spec(args) -> int:
         print(f"{r['workload']:<36}{r['tps_off']:>10.1f}{r['tps_on']:>10.1f}{r['speedup']:>9.2f}x"
               f"{r['acceptance_rate'] * 100:>9.0f}%{r['mean_accepted_length']:>10.2f}"
               f"{r['identical']:>7}/{r['requests']}")
-    print("single stream per prompt (copied: output tokens that end a 3-gram already in the prompt or output):")
+    print("single stream per prompt (lookup: output tokens the n-gram lookup would have proposed first):")
     for i, pp in enumerate(per_prompt):
-        print(f"  prompt {i + 1}: {pp['prompt_tokens']:>4} tokens in, {pp['generated']:>4} out, copied "
-              f"{pp['copied'] * 100:3.0f}%, {pp['ms_off']:7.1f} -> {pp['ms_on']:7.1f} ms, {pp['speedup']:.2f}x")
+        print(f"  prompt {i + 1}: {pp['prompt_tokens']:>4} tokens in, {pp['generated']:>4} out, lookup "
+              f"{pp['lookup'] * 100:3.0f}%, {pp['ms_off']:7.1f} -> {pp['ms_on']:7.1f} ms, {pp['speedup']:.2f}x")
     single = rows[0]
     print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
           f"{single['decode_tps_on']:.1f} tok/s, {single['decode_speedup']:.2f}x")

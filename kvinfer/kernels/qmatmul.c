@@ -657,7 +657,7 @@ static uint8_t *amx_scratch(size_t n) {
  * pass at a time), then each 16-row group of x (its bytes stay in L1) meets every pass of the span, and a block's
  * float work runs while the next block multiplies. This order against pass after pass over all rows, with 4
  * blocks' products stored before their float work (Intel Xeon, 2 threads, the built-in model's matmuls, the same
- * bits): 512 rows 1.38-1.41x, 103 rows 1.38x, 24 rows 1.07x. perf put the old order's stalls on the tile loads of
+ * bits): 512 rows 1.39x, 103 rows 1.35x, 24 rows 1.09x. perf put the old order's stalls on the tile loads of
  * x from L2; tile multiplies and the float work hardly overlap either way (a loop of both takes about the sum of
  * each alone). */
 static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j, const int8_t *xh,
