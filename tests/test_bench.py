@@ -49,6 +49,22 @@ def test_bench_decode_table(tiny_llama_dir, capsys):
     assert res["machine"]["kernels"] == (kernels.level() or "off") and res["machine"]["cpu"]
 
 
+def test_bench_with_dummy_weights_measures_transformers_on_the_same_shapes(tmp_path, capsys):
+    """--load-format dummy has no weight file to share: the transformers peer builds the config's shapes itself
+    (it used to fail on the missing path), for decode and throughput alike."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)))
+    common = ["--load-format", "dummy", "--model", str(cfg), "--kv-cache-memory", "8MiB", "--json"]
+    assert main(["bench", "decode", "--tokens", "6", "--prompt-tokens", "4", *common]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["name"] for r in rows] == ["kvinfer", "transformers"] and rows[1]["tokens"] == 6
+    assert main(["bench", "throughput", "--num-requests", "2", "--hf-batch-size", "2", *common]) == 0
+    ours, hf = json.loads(capsys.readouterr().out)["rows"]
+    assert hf["useful_tokens"] == ours["generated"] > 0
+
+
 def test_machine_names_the_cpu_its_isa_flags_and_the_kernel_level(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"

@@ -38,13 +38,19 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     feats = kernels.cpu_features()
     amx = ("granted" if feats["amx_granted"] else "listed, not granted by the OS" if feats["amx_listed"]
            else "none")
+    gpu = None
+    import torch
+
+    if torch.cuda.is_available():  # what --device auto runs on
+        gpu = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, CUDA {torch.version.cuda}"
     return dict(cpu=model or platform.processor() or platform.machine() or "unknown CPU",
                 cores=os.cpu_count(), isa=[f for f in ISA_FLAGS if f in flags], amx=amx,
-                kernels=kernels.level() or "off")
+                kernels=kernels.level() or "off", gpu=gpu)
 
 
 def machine_line(m: Optional[dict] = None) -> str:
     """One line for a benchmark's header, e.g. `machine: AMD EPYC, 2 cores; avx2 fma f16c; AMX none; kernels avx2`."""
     m = machine() if m is None else m
     isa = " ".join(m["isa"]) or "no AVX2"
-    return f"machine: {m['cpu']}, {m['cores']} cores; {isa}; AMX {m['amx']}; kernels {m['kernels']}"
+    gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
+    return f"machine: {m['cpu']}, {m['cores']} cores; {isa}; AMX {m['amx']}; kernels {m['kernels']}{gpu}"

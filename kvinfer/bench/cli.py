@@ -229,7 +229,7 @@ def cmd_decode(args) -> int:
             from kvinfer.bench.peers import load_transformers, transformers_decode
 
             t0 = time.perf_counter()
-            m = load_transformers(path, engine.loaded.dtype)
+            m = load_transformers(engine.loaded.source, engine.loaded.dtype, engine.loaded.device, cfg.model)
             load_s = time.perf_counter() - t0
             if m is None:
                 print("transformers is not installed: pip install 'kvinfer[bench]'", file=sys.stderr)
@@ -384,7 +384,7 @@ def cmd_throughput(args) -> int:
         _print_tp(ours["tp_comm"])
         sys.stdout.flush()
     rows = [ours]
-    path = eng.loaded.source.path
+    path, source, device = eng.loaded.source.path, eng.loaded.source, eng.loaded.device
     eng.close()
     del llm, eng
     for peer in args.compare:
@@ -410,7 +410,7 @@ def cmd_throughput(args) -> int:
         elif peer == "transformers":
             from kvinfer.bench.peers import load_transformers, transformers_static_batches
 
-            m = load_transformers(path, dtype)
+            m = load_transformers(source, dtype, device, cfg.model)
             if m is None:
                 print("transformers is not installed: pip install 'kvinfer[bench]'", file=sys.stderr)
                 continue

@@ -8,10 +8,13 @@ from typing import Optional
 import torch
 
 
-def load_transformers(model_path: Path, dtype: torch.dtype):
-    """The same weights in transformers: a GGUF is dequantized by transformers itself."""
+def load_transformers(source, dtype: torch.dtype, device: torch.device, model: Optional[str] = None):
+    """The same weights in transformers, on the engine's device: a GGUF is dequantized by transformers itself. With
+    `--load-format dummy` (source.kind "dummy", `model` the preset name or config path) there are no weights to
+    share: transformers builds the same shapes from the same config with its own random weights, which is enough
+    for timing (the peers run a fixed number of tokens, EOS or not)."""
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         return None
     import logging
@@ -32,11 +35,24 @@ def load_transformers(model_path: Path, dtype: torch.dtype):
             gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     except (ImportError, AttributeError):
         pass
-    if model_path.is_file():
+    model_path = source.path
+    if source.kind == "dummy":
+        import json
+
+        from kvinfer.config import PRESETS
+
+        if model in PRESETS:
+            d = dict(PRESETS[model])
+        else:
+            d = json.loads((model_path / "config.json" if model_path.is_dir() else model_path).read_text())
+        hf_config = AutoConfig.for_model(**d)
+        with torch.device(device):  # initialised where it runs: a 7B model's random init is slow on a CPU
+            m = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    elif model_path.is_file():
         m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     else:
         m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
-    return m.eval()
+    return m.to(device).eval()
 
 
 class _TimingStreamer:
@@ -47,6 +63,8 @@ class _TimingStreamer:
         self._prompt_seen = False
 
     def put(self, value):
+        if value.is_cuda:  # the token is computed when its time is taken, not merely queued
+            torch.cuda.synchronize(value.device)
         if not self._prompt_seen:
             self._prompt_seen = True
             return
@@ -57,7 +75,7 @@ class _TimingStreamer:
 
 
 def transformers_decode(model, prompt_ids: list[int], new_tokens: int) -> dict:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     streamer = _TimingStreamer()
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -81,9 +99,11 @@ def transformers_static_batches(model, requests, batch_size: int) -> dict:
                 ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
                 mask[j, width - len(r.prompt_token_ids):] = 1
             longest = max(r.output_tokens for r in batch)
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=0)
+            model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=0)
             useful += sum(r.output_tokens for r in batch)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     secs = time.perf_counter() - t0
     return dict(seconds=secs, useful_tokens=useful, tps=useful / secs)
 
