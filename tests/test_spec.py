@@ -447,6 +447,33 @@ def test_lookup_share_counts_the_tokens_the_ngram_lookup_would_have_proposed():
     assert lookup_share([1, 2, 3, 1], [2, 3], ngram_min=3) == 0.0  # (3 ..: no 3-gram of the suffix recurs)
 
 
+def test_step_costs_fit_verification_steps_and_plain_decoding():
+    from kvinfer.bench.spec import step_costs
+
+    # (seconds, proposed, generated, prompt tokens): verifications of r proposals at 4 + 1 * r ms, a prefill step
+    # (ignored), plain decoding 3.2 ms a token over fused calls of several tokens
+    on = [((4 + r) / 1e3, r, r + 1 if r % 2 else 1, 0) for r in (1, 2, 3, 4, 8)] + [(0.05, 0, 1, 90)]
+    off = [(0.0128, 0, 4, 0), (0.0064, 0, 2, 0), (0.04, 0, 1, 90)]
+    c = step_costs(on, off)
+    assert c["verify_ms"] == pytest.approx(4.0) and c["row_ms"] == pytest.approx(1.0)
+    assert c["plain_ms"] == pytest.approx(3.2)
+    assert step_costs([(0.005, 1, 2, 0), (0.005, 1, 1, 0)], off) is None  # one length: no line to fit
+    assert step_costs(on, [(0.04, 0, 1, 90)]) is None
+
+
+def test_decode_bound_proposes_what_would_be_accepted():
+    from kvinfer.bench.spec import decode_bound_ms
+
+    costs = dict(verify_ms=4.0, row_ms=1.0, plain_ms=3.0)
+    prompt, out = [5, 6, 7, 8], [5, 6, 7, 8, 9, 1]
+    # after 5: the lookup proposes 6 7 8 5 and 6 7 8 would be accepted (4 + 3 ms); then the last token plainly
+    assert decode_bound_ms(prompt, out, 8, costs) == pytest.approx(7 + 3)
+    assert decode_bound_ms(prompt, out, 8, costs, all_accepted=True) == pytest.approx(4 + 4)
+    # k = 2: 6 7 accepted (6 ms); 5 6 7 -> 8 proposed where 9 comes: plain (3 ms), then 1 plain (3 ms)
+    assert decode_bound_ms(prompt, out, 2, costs) == pytest.approx(6 + 3 + 3)
+    assert decode_bound_ms(prompt, [9], 8, costs) == 0.0  # the first token is the prefill's
+
+
 def test_bench_spec_reports_both_modes(builtin_model_path, capsys):
     import json
 

@@ -18,8 +18,10 @@ def register_spec(bs) -> None:
                                   "throughput workload's random-token prompts (non-extractive), each with "
                                   "speculation off and on, on the same loaded weights: generated tokens/s, the "
                                   "speed-up, acceptance rate, mean accepted length, whether the outputs are "
-                                  "identical, and the single stream prompt by prompt (time off and on, the share of "
-                                  "output tokens the n-gram lookup would have proposed). Without "
+                                  "identical, the single stream prompt by prompt (time off and on, the share of "
+                                  "output tokens the n-gram lookup would have proposed), and what the single stream "
+                                  "could reach at the run's own step costs with proposals that knew the future. "
+                                  "Without "
                                   "--speculative/--speculative-model it uses --speculative ngram.")
     s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
                    help="new tokens per extractive prompt, at most (default 128)")
@@ -37,15 +39,22 @@ def register_spec(bs) -> None:
     s.set_defaults(func=cmd_spec)
 
 
-def _run(engine, prompts, params) -> tuple[list[list[int]], float, float]:
+def _run(engine, prompts, params, steps: list | None = None) -> tuple[list[list[int]], float, float]:
     """All prompts at once through one engine; (token ids per prompt, wall seconds, seconds from each request's
-    first token to its last, summed: decode time without the prefill)."""
+    first token to its last, summed: decode time without the prefill). With `steps`, each engine step is appended
+    as (seconds, tokens proposed, tokens generated, prompt tokens computed)."""
     t0 = time.perf_counter()
     ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     done = {}
     decode_s = 0.0
+    st = engine.stats
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        before = (time.perf_counter(), st["spec_draft_tokens"], st["generation_tokens"], st["prompt_tokens"])
+        outs = engine.step()
+        if steps is not None:
+            steps.append((time.perf_counter() - before[0], st["spec_draft_tokens"] - before[1],
+                          st["generation_tokens"] - before[2], st["prompt_tokens"] - before[3]))
+        for o in outs:
             if o.finished:
                 done[o.request_id] = list(o.outputs[0].token_ids)
                 decode_s += o.metrics.last_token_time - o.metrics.first_token_time
@@ -67,6 +76,40 @@ def lookup_share(prompt: list[int], output: list[int], ngram_min: int = 1, ngram
     return hits / len(output) if output else 0.0
 
 
+def step_costs(steps_on: list[tuple], steps_off: list[tuple]) -> dict | None:
+    """What decoding cost in this run: a verification step of r proposed tokens took verify_ms + row_ms * r (least
+    squares over the decode-only steps that verified), and plain decoding plain_ms per token (speculation off:
+    every decode-only step's seconds over its tokens). None without verifications of two different lengths."""
+    pts = [(p, s) for s, p, g, pr in steps_on if p > 0 and g > 0 and pr == 0]
+    plain = [(s, g) for s, p, g, pr in steps_off if g > 0 and pr == 0]
+    if len({p for p, _ in pts}) < 2 or not plain:
+        return None
+    mr = statistics.fmean(p for p, _ in pts)
+    ms = statistics.fmean(s for _, s in pts)
+    b = sum((p - mr) * (s - ms) for p, s in pts) / sum((p - mr) ** 2 for p, _ in pts)
+    return dict(verify_ms=(ms - b * mr) * 1e3, row_ms=b * 1e3,
+                plain_ms=sum(s for s, _ in plain) / sum(g for _, g in plain) * 1e3)
+
+
+def decode_bound_ms(prompt: list[int], output: list[int], k: int, costs: dict, ngram_min: int = 1,
+                    ngram_max: int = 4, all_accepted: bool = False) -> float:
+    """Milliseconds to decode `output` after its first token at `costs` (step_costs) for a proposer that knows the
+    future: it proposes exactly the n-gram lookup's tokens that will be accepted, or decodes plainly where none
+    would be (all_accepted: the next min(k, left) output tokens every step, whatever the lookup says)."""
+    index, ms, t, n = NgramIndex(ngram_min, ngram_max), 0.0, 1, len(output)
+    while t < n:
+        left = min(k, n - 1 - t)
+        if all_accepted:
+            a = left
+        else:
+            toks, a = index.propose(list(prompt) + output[:t], left), 0
+            while a < len(toks) and toks[a] == output[t + a]:
+                a += 1
+        ms += costs["verify_ms"] + costs["row_ms"] * a if a else costs["plain_ms"]
+        t += a + 1
+    return ms
+
+
 def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -74,20 +117,22 @@ def _median(runs: list[dict], key: str) -> float:
 def _measure(engine, how: str, prompts, params) -> dict:
     """One workload through one engine: one prompt at a time ("single") or all at once ("batch")."""
     before = _spec_stats(engine)
-    per = []  # single stream: each prompt's seconds
+    per, per_decode, steps = [], [], []  # single stream: each prompt's seconds and decode seconds; every step
     if how == "single":
         outs, secs, dsecs = [], 0.0, 0.0
         for p, sp in zip(prompts, params):
-            o, s, ds = _run(engine, [p], [sp])
+            o, s, ds = _run(engine, [p], [sp], steps)
             outs += o
             secs += s
             dsecs += ds
             per.append(s)
+            per_decode.append(ds)
     else:
         outs, secs, dsecs = _run(engine, prompts, params)
     d, p, a = (x - y for x, y in zip(_spec_stats(engine), before))
     gen = sum(len(o) for o in outs)
     return dict(tps=gen / secs, seconds=secs, generated=gen, outputs=outs, per_prompt_s=per,
+                per_prompt_decode_s=per_decode, steps=steps,
                 decode_tps=sum(len(o) - 1 for o in outs) / dsecs if dsecs else 0.0,
                 drafts=d, draft_tokens=p, accepted_tokens=a)
 
@@ -162,6 +207,18 @@ def cmd_spec(args) -> int:
         per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out), lookup=lookup_share(prompt, out, cfg.ngram_min, cfg.ngram_max),
                                ms_off=off_s * 1e3, ms_on=on_s * 1e3, speedup=off_s / on_s))
     rows[0]["prompts"] = per_prompt
+    # What the single stream could reach at this run's own step costs with a proposer that knew the future.
+    costs = step_costs([x for r in single_on for x in r["steps"]], [x for r in single_off for x in r["steps"]])
+    if costs is not None:
+        off_ms = sum(pp["ms_off"] for pp in per_prompt)
+        for key, every in (("lookup_oracle", False), ("all_accepted", True)):
+            ms = 0.0
+            for i, prompt in enumerate(extractive):
+                pre = statistics.median(r["per_prompt_s"][i] - r["per_prompt_decode_s"][i] for r in single_on)
+                ms += pre * 1e3 + decode_bound_ms(prompt, single_on[-1]["outputs"][i], k, costs, cfg.ngram_min,
+                                                  cfg.ngram_max, all_accepted=every)
+            costs[key] = off_ms / ms
+        rows[0]["bound"] = costs
     how = (f"draft model {cfg.speculative_model}" if cfg.speculative == "draft"
            else f"n-gram {cfg.ngram_min}..{cfg.ngram_max}")
     if args.json:
@@ -183,6 +240,12 @@ def cmd_spec(args) -> int:
         print(f"  prompt {i + 1}: {pp['prompt_tokens']:>4} tokens in, {pp['generated']:>4} out, lookup "
               f"{pp['lookup'] * 100:3.0f}%, {pp['ms_off']:7.1f} -> {pp['ms_on']:7.1f} ms, {pp['speedup']:.2f}x")
     single = rows[0]
+    if "bound" in single:
+        b = single["bound"]
+        print(f"single stream bound at this run's step costs (a verification of r proposals {b['verify_ms']:.2f} + "
+              f"{b['row_ms']:.2f} * r ms, a plain step {b['plain_ms']:.2f} ms): proposing exactly the lookup's "
+              f"tokens that will be accepted {b['lookup_oracle']:.2f}x; every proposal accepted "
+              f"{b['all_accepted']:.2f}x")
     print(f"single stream, decode only (first to last token, no prefill): {single['decode_tps_off']:.1f} -> "
           f"{single['decode_tps_on']:.1f} tok/s, {single['decode_speedup']:.2f}x")
     if args.rounds > 1:
