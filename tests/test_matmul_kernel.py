@@ -281,6 +281,24 @@ def test_every_level_computes_the_same_bits(qtype):
         assert torch.equal(y, first), lv
 
 
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "F16"])
+@pytest.mark.parametrize("k", [608, 600, 603, 100, 7])
+def test_float_weights_give_every_row_the_same_bits_on_every_level(qtype, k):
+    # Float weights: tiles of 1-4 rows (8 lanes) below AVX-512, of 1-8 rows and two columns (16 lanes) at it. K
+    # picks the tail after whole groups of 16 (none; one group of 8; 8 and 3 singles; 4 groups, 4 singles; 7
+    # singles); N = 23 ends on a lone column. Every M up to 19 (8 + 8 + 3) and every level: the bits a row gets alone.
+    n = 23
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(
+        {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[qtype])
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(k + 1))
+    libs = [kernels.library(lv) for lv in _levels_here()]
+    alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), w) for i in range(19)])
+    assert rel_err(alone, x.double() @ w.double().T) < TOL
+    for lib in libs:
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 19):
+            assert torch.equal(lib.matmul(x[:m], w), alone[:m]), (lib.level, m)
+
+
 @pytest.mark.parametrize("k", [32, 64, 256, 576, 608])
 def test_every_tile_height_and_tail_gives_a_row_the_same_bits(k):
     # Tiles of 1-8 rows share each decoded weight block; K picks the tail after whole groups of 8 blocks (none,

@@ -240,24 +240,6 @@ static inline __attribute__((always_inline)) __m512 dot64_pair(const __m512 *q, 
     return _mm512_fmadd_ps(q[3], load16(k, 48, DT), z);
 }
 
-/* vf_hsum_each8 of the vectors a0 + a1 of 8 rows' dot64_pair: the same additions in the same order, two or four
- * rows per register. */
-static inline __attribute__((always_inline)) vf hsum_pairs8(const __m512 *z) {
-    __m512 t[4];
-    for (int i = 0; i < 4; i++) /* [a0 + a1 of row 2i | of row 2i + 1] */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xee));
-    /* lo + hi 128 bits of rows 0..3 (and 4..7): lanes l0+l4 .. l3+l7, a row per 128 bits */
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xdd));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xdd));
-    /* (a0 + a2), (a1 + a3): 128 bits v hold rows v and v + 4 */
-    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xee));
-    /* (a0 + a2) + (a1 + a3): lane 0 of 128 bits v is row v, lane 1 row v + 4 */
-    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xdd));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
-}
-
 /* values64 for all 64 lanes at once: 16 per register, the same FMA per lane in the same order. */
 static inline __attribute__((always_inline)) void values64_16(const void *vbase, const int64_t *offs, int64_t n,
                                                               const float *s, float *part, int64_t h0,

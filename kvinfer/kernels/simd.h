@@ -136,6 +136,27 @@ static inline vf vf_hsum_each8(const float *v) {
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+#if KVQ_LEVEL >= 2
+/* vf_hsum_each8 of the vectors a0 + a1 of 8 zmm registers z[i] = [a0 | a1] (two 8-lane accumulators side by side:
+ * attention's dot64_pair, the float matmul's tile_f16): the same additions in the same order, two or four vectors
+ * per register. */
+static inline __attribute__((always_inline)) vf hsum_pairs8(const __m512 *z) {
+    __m512 t[4];
+    for (int i = 0; i < 4; i++) /* [a0 + a1 of row 2i | of row 2i + 1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], 0xee));
+    /* lo + hi 128 bits of rows 0..3 (and 4..7): lanes l0+l4 .. l3+l7, a row per 128 bits */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xdd));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xdd));
+    /* (a0 + a2), (a1 + a3): 128 bits v hold rows v and v + 4 */
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xee));
+    /* (a0 + a2) + (a1 + a3): lane 0 of 128 bits v is row v, lane 1 row v + 4 */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xdd));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
+}
+#endif
+
 /* The fp16 fields at p + u * stride (d) and p + 2 + u * stride (m) of 8 blocks, as floats. Built in registers:
  * 8 small stores read back as one vector cannot be forwarded, and a gather is slower still on AMD. */
 static inline void vf_load_half2_strided(const uint8_t *p, int stride, vf *d, vf *m) {
