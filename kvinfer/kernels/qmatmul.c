@@ -365,13 +365,15 @@ static inline __attribute__((always_inline)) void tile_f(const float *x, int64_t
 
 typedef void (*tile_f_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int, float *, int64_t, int64_t,
                           int64_t);
-#define KVQ_TILE_F(MT)                                                                                          \
-    static void tile_f##MT(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ldw, int qt,       \
-                           float *y, int64_t ldy, int64_t n0, int64_t n1) {                                    \
-        if (qt == QT_F32) tile_f(x, ldx, K, w, ldw, QT_F32, y, ldy, n0, n1, MT);                               \
-        else if (qt == QT_BF16) tile_f(x, ldx, K, w, ldw, QT_BF16, y, ldy, n0, n1, MT);                        \
-        else tile_f(x, ldx, K, w, ldw, QT_F16, y, ldy, n0, n1, MT);                                            \
+/* NAME: KERNEL (tile_f, tile_f16) for MT rows, one compiled copy per float weight type */
+#define KVQ_FLOAT_TILE(NAME, KERNEL, MT)                                                                        \
+    static void NAME(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ldw, int qt, float *y,   \
+                     int64_t ldy, int64_t n0, int64_t n1) {                                                    \
+        if (qt == QT_F32) KERNEL(x, ldx, K, w, ldw, QT_F32, y, ldy, n0, n1, MT);                               \
+        else if (qt == QT_BF16) KERNEL(x, ldx, K, w, ldw, QT_BF16, y, ldy, n0, n1, MT);                        \
+        else KERNEL(x, ldx, K, w, ldw, QT_F16, y, ldy, n0, n1, MT);                                            \
     }
+#define KVQ_TILE_F(MT) KVQ_FLOAT_TILE(tile_f##MT, tile_f, MT)
 KVQ_TILE_F(1)
 KVQ_TILE_F(2)
 KVQ_TILE_F(3)
@@ -448,13 +450,7 @@ static inline __attribute__((always_inline)) void tile_f16(const float *x, int64
     }
 }
 
-#define KVQ_TILE_F16(MT)                                                                                        \
-    static void tile_f16_##MT(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ldw, int qt,    \
-                              float *y, int64_t ldy, int64_t n0, int64_t n1) {                                 \
-        if (qt == QT_F32) tile_f16(x, ldx, K, w, ldw, QT_F32, y, ldy, n0, n1, MT);                             \
-        else if (qt == QT_BF16) tile_f16(x, ldx, K, w, ldw, QT_BF16, y, ldy, n0, n1, MT);                      \
-        else tile_f16(x, ldx, K, w, ldw, QT_F16, y, ldy, n0, n1, MT);                                          \
-    }
+#define KVQ_TILE_F16(MT) KVQ_FLOAT_TILE(tile_f16_##MT, tile_f16, MT)
 KVQ_TILE_F16(1)
 KVQ_TILE_F16(2)
 KVQ_TILE_F16(3)
