@@ -127,38 +127,42 @@ def _prefill_reference(q, keys, values, scale, window=None, slopes=None, start=0
     return torch.einsum("hnl,hld->nhd", torch.softmax(s, -1), vv).float()
 
 
-@pytest.mark.parametrize("window,alibi", [(None, False), (70, False), (None, True)])
+@pytest.mark.parametrize("window,alibi,kv_dtype", [(None, False, torch.float32), (70, False, torch.float32),
+                                                   (None, True, torch.float32), (None, False, torch.bfloat16)])
 @pytest.mark.parametrize("D", [32, 64])
-def test_prefill_over_three_layouts_matches_reference_and_is_bitwise_one_arithmetic(window, alibi, D):
+def test_prefill_over_three_layouts_matches_reference_and_is_bitwise_one_arithmetic(window, alibi, kv_dtype, D):
     # The same sequence's keys laid out as paged blocks (two block sizes), a contiguous slot and a step's own
     # fresh K/V: every query row gives the reference, and the same bits whatever the layout, the batch, the
-    # chunking of the prefill and the thread count. D = 64 without a window is the tiled route (up to 4 query
-    # tokens' pieces at once, tiles straddling the 256-position piece boundary); a token alone is not tiled.
+    # chunking of the prefill and the thread count. D = 64 without a window is the tiled route (up to 16 query
+    # tokens' pieces at once, tiles straddling the 256-position piece boundary; a bfloat16 cache's rows widened
+    # once per tile); a token alone is not tiled.
     g = torch.Generator().manual_seed(7)
     L, H, KVH = 300, 6, 2
     keys, values = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
+    keys, values = keys.to(kv_dtype), values.to(kv_dtype)
     q = torch.randn(L, H, D, generator=g)
     slopes = alibi_slopes(H) if alibi else None
-    kw = dict(scale=0.2, alibi_slopes=slopes, sliding_window=window, num_kv_heads=KVH)
+    kw = dict(scale=0.2, alibi_slopes=slopes, sliding_window=window, num_kv_heads=KVH,
+              kv_dtype=str(kv_dtype).replace("torch.", ""))
     pos = torch.arange(L)
     outs = []
     for bs in (4, 16):
         nb = L // bs + 5
         perm = torch.randperm(nb, generator=g)[: -(-L // bs)]
-        kp, vp = torch.zeros(nb, bs, KVH, D), torch.zeros(nb, bs, KVH, D)
+        kp, vp = torch.zeros(nb, bs, KVH, D, dtype=kv_dtype), torch.zeros(nb, bs, KVH, D, dtype=kv_dtype)
         kp[perm[pos // bs], pos % bs], vp[perm[pos // bs], pos % bs] = keys, values
         outs.append(kernels.attention(q, kp, vp, perm.view(1, -1).contiguous(), torch.zeros(L, dtype=torch.long),
                                       pos, block_size=bs, num_blocks=nb, strides=(bs * KVH * D, KVH * D, D), **kw))
     slots = 3
-    kc, vc = torch.zeros(slots, KVH, L, D), torch.zeros(slots, KVH, L, D)
+    kc, vc = torch.zeros(slots, KVH, L, D, dtype=kv_dtype), torch.zeros(slots, KVH, L, D, dtype=kv_dtype)
     kc[1], vc[1] = keys.transpose(0, 1), values.transpose(0, 1)
     outs.append(kernels.attention(q, kc, vc, torch.tensor([[1]]), torch.zeros(L, dtype=torch.long), pos,
                                   block_size=L, num_blocks=slots, strides=(KVH * L * D, D, L * D), **kw))
     outs.append(kernels.attention(q, keys, values, torch.tensor([[0]]), torch.zeros(L, dtype=torch.long), pos,
                                   block_size=1 << 40, num_blocks=L, strides=(KVH * D, KVH * D, D), num_threads=1,
                                   **kw))
-    torch.testing.assert_close(outs[0], _prefill_reference(q, keys, values, 0.2, window, slopes), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(outs[0], _prefill_reference(q, keys.float(), values.float(), 0.2, window, slopes),
+                               rtol=1e-5, atol=1e-5)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
     # A chunk of the prefill (queries 200-259, keys already in the cache) and single rows alone.
