@@ -267,6 +267,7 @@ static inline __attribute__((always_inline)) void values64_16(const void *vbase,
  * rows widened once for all). 16 rather than 4: a 512-token prefill's attention 88-91 -> 76-80 ms with the
  * widening (Intel Xeon, 2 threads, bfloat16 cache), 68 -> 65 with a float32 cache. */
 #define QTILE 16
+#define WIDEN_MIN_TOKENS 4 /* tokens of a tile from which a bfloat16 piece is widened first */
 
 /* Pieces [p0, p1s[i]) of the query tokens t0 + i (i < nt <= QTILE: one sequence, consecutive positions, so
  * p1s ascends), kv head g, for head size 64 and float values (float32, bfloat16). For every token, the same
@@ -806,7 +807,9 @@ int kvq_attention(const struct kvq_attn *jp) {
                             piece_range(&j, t0 + i, c, &p0, &p1s[i]);
                             parts[i] = local + i * per_tok + c * G * (D + 2);
                         }
-                        piece64_tile(&j, t0 + a, n - a, g, p0, p1s + a, (float *)s, parts + a, wide);
+                        /* widening pays from a few tokens a tile (a decode token alone: 1.1x slower) */
+                        piece64_tile(&j, t0 + a, n - a, g, p0, p1s + a, (float *)s, parts + a,
+                                     n - a >= WIDEN_MIN_TOKENS ? wide : NULL);
                     }
                     for (int i = 0; i < n; i++)
                         for (int64_t h = 0; h < G; h++)
