@@ -21,8 +21,7 @@ def register_spec(bs) -> None:
                                   "identical, the single stream prompt by prompt (time off and on, the share of "
                                   "output tokens the n-gram lookup would have proposed), and what the single stream "
                                   "could reach at the run's own step costs with proposals that knew the future. "
-                                  "Without "
-                                  "--speculative/--speculative-model it uses --speculative ngram.")
+                                  "Without --speculative/--speculative-model it uses --speculative ngram.")
     s.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=128,
                    help="new tokens per extractive prompt, at most (default 128)")
     s.add_argument("--prompts", type=int_at_least("--prompts", 1, 8), default=8,
@@ -97,15 +96,17 @@ def decode_bound_ms(prompt: list[int], output: list[int], k: int, costs: dict, n
     future: it proposes exactly the n-gram lookup's tokens that will be accepted, or decodes plainly where none
     would be (all_accepted: the next min(k, left) output tokens every step, whatever the lookup says)."""
     index, ms, t, n = NgramIndex(ngram_min, ngram_max), 0.0, 1, len(output)
+    ctx = list(prompt) + list(output[:1])  # everything known before output[t]
     while t < n:
         left = min(k, n - 1 - t)
         if all_accepted:
             a = left
         else:
-            toks, a = index.propose(list(prompt) + output[:t], left), 0
+            toks, a = index.propose(ctx, left), 0
             while a < len(toks) and toks[a] == output[t + a]:
                 a += 1
         ms += costs["verify_ms"] + costs["row_ms"] * a if a else costs["plain_ms"]
+        ctx += output[t:t + a + 1]
         t += a + 1
     return ms
 
@@ -204,7 +205,8 @@ def cmd_spec(args) -> int:
         off_s = statistics.median(r["per_prompt_s"][i] for r in single_off)
         on_s = statistics.median(r["per_prompt_s"][i] for r in single_on)
         out = single_on[-1]["outputs"][i]
-        per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out), lookup=lookup_share(prompt, out, cfg.ngram_min, cfg.ngram_max),
+        per_prompt.append(dict(prompt_tokens=len(prompt), generated=len(out),
+                               lookup=lookup_share(prompt, out, cfg.ngram_min, cfg.ngram_max),
                                ms_off=off_s * 1e3, ms_on=on_s * 1e3, speedup=off_s / on_s))
     rows[0]["prompts"] = per_prompt
     # What the single stream could reach at this run's own step costs with a proposer that knew the future.

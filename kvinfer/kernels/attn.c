@@ -228,8 +228,7 @@ static inline __attribute__((always_inline)) void values64(const void *vbase, co
 
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int DT) {
     if (DT == KV_F32) return _mm512_loadu_ps((const float *)p + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)); /* bfloat16 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return v16_load_bf16((const uint16_t *)p + i);
 }
 
 /* dot_kv's two accumulators for a 64-value key row: a0 (even groups of 8) in lanes 0-7, a1 (odd) in 8-15. */

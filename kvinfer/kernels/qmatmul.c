@@ -373,12 +373,14 @@ typedef void (*tile_f_fn)(const float *, int64_t, int64_t, const uint8_t *, int6
         else if (qt == QT_BF16) KERNEL(x, ldx, K, w, ldw, QT_BF16, y, ldy, n0, n1, MT);                        \
         else KERNEL(x, ldx, K, w, ldw, QT_F16, y, ldy, n0, n1, MT);                                            \
     }
+#if KVQ_LEVEL < 2 /* (the AVX-512 level runs tile_f16 below: tile_f's arithmetic, 16 lanes) */
 #define KVQ_TILE_F(MT) KVQ_FLOAT_TILE(tile_f##MT, tile_f, MT)
 KVQ_TILE_F(1)
 KVQ_TILE_F(2)
 KVQ_TILE_F(3)
 KVQ_TILE_F(4)
 static const tile_f_fn tiles_f[MF_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, tile_f4};
+#endif
 
 #if KVQ_LEVEL >= 2
 /* tile_f at the AVX-512 level: a column's two 8-lane accumulators side by side in one register (lanes 0-7 the even
@@ -390,9 +392,8 @@ static const tile_f_fn tiles_f[MF_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, t
 
 static inline __m512 load_w16(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return _mm512_loadu_ps((const float *)row + k);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
-    if (qt == QT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+    if (qt == QT_BF16) return v16_load_bf16((const uint16_t *)row + k);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
 }
 
 static inline __attribute__((always_inline)) void tile_f16(const float *x, int64_t ldx, int64_t K, const uint8_t *w,

@@ -137,6 +137,11 @@ static inline vf vf_hsum_each8(const float *v) {
 }
 
 #if KVQ_LEVEL >= 2
+/* 16 bfloat16 values at p (unaligned) as floats: exact. */
+static inline __m512 v16_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* vf_hsum_each8 of the vectors a0 + a1 of 8 zmm registers z[i] = [a0 | a1] (two 8-lane accumulators side by side:
  * attention's dot64_pair, the float matmul's tile_f16): the same additions in the same order, two or four vectors
  * per register. */
