@@ -249,11 +249,19 @@ def test_8bit_cache_keeps_exactness_and_the_fused_step(engines, kv_dtype):
 
 
 
-def _teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+def _teacher_forced(llm, seqs: list[list[int]], prompt_lens=None) -> list[torch.Tensor]:
     """Log-probabilities [len(ids), vocab] of every position of each sequence, all run as one prefill step through
     a paged cache of the engine's KV dtype (an 8-bit cache: prefill attention reads the quantised keys and values,
-    as decode does)."""
+    as decode does). prompt_lens: how many of each sequence's tokens were its prompt when generated (default: all),
+    rows computed by the prompt route where the engine has one, as the engine computed them."""
+    from kvinfer.layers.quant_linear import prompt_rows
+
     eng = llm.engine
+    spans, at = [], 0
+    for i, ids in enumerate(seqs):
+        if eng.runner.prompt_route:
+            spans.append((at, at + (len(ids) if prompt_lens is None else prompt_lens[i])))
+        at += len(ids)
     model, mc = eng.loaded.model, eng.model_config
     slices, first = [], 0
     for ids in seqs:
@@ -262,7 +270,7 @@ def _teacher_forced(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
         first += nblk
     kv = PagedCache(mc.num_layers, first, 16, mc.num_kv_heads, mc.head_dim, torch.float32, "cpu",
                     eng.kv_cache.kv_dtype)
-    with torch.inference_mode():
+    with torch.inference_mode(), prompt_rows(spans):
         md = kv.prepare(slices)
         hidden = model(torch.tensor([t for ids in seqs for t in ids]),
                        torch.cat([torch.arange(len(ids)) for ids in seqs]), md, kv)
@@ -286,7 +294,7 @@ def test_fidelity_against_the_float32_cache(engines):
     # cache pick the float32 cache's greedy token given the same history? Free-running text cannot tell a
     # quantiser's error from a near-tie that, once flipped, changes everything after it.
     forced = [p + list(r.outputs[0].token_ids) for p, r in zip(ids, ref)]
-    ref_lp = _teacher_forced(base, forced)
+    ref_lp = _teacher_forced(base, forced, [len(p) for p in ids])
     for dt in ("int8", "fp8", "bfloat16"):
         outs = engines[dt].generate(ids, sp, use_tqdm=False)
         same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, ref))
@@ -300,7 +308,7 @@ def test_fidelity_against_the_float32_cache(engines):
                 agreed += 1
                 diffs.append(abs(x.logprob - y.logprob))
         tf_agree, tf_total, gaps = 0, 0, []
-        for p, f, lp0, lp in zip(ids, forced, ref_lp, _teacher_forced(engines[dt], forced)):
+        for p, f, lp0, lp in zip(ids, forced, ref_lp, _teacher_forced(engines[dt], forced, [len(p) for p in ids])):
             for t in range(len(p) - 1, len(f) - 1):
                 assert lp0[t].argmax().item() == f[t + 1]  # the prefill reproduces the greedy run (exactness)
                 tf_total += 1
@@ -319,13 +327,15 @@ def test_fidelity_against_the_float32_cache(engines):
         # The contract: perplexity within 1%, and the greedy choice kept at >= 90% of the 1,280 positions given
         # the same history (int8 and bfloat16 keep it at all but near-ties). Free-running greedy text of a 135M
         # model drifts at near-ties (the bfloat16 cache, which only rounds the values, also changes 5 of the 20
-        # continuations when measured), so those figures are guarded against collapse only. The mean |logprob
+        # continuations when measured), so those figures are guarded against collapse only (Intel Xeon, fp8: 728
+        # tokens before the first divergence with the int16 route's prompt rows, 547 with the prompt route's bfloat16
+        # ones, whose teacher-forced figures hardly move: 1256 -> 1248 of 1280). The mean |logprob
         # difference| guards int8's rotation (int8 measured 0.0111 without it).
         assert abs(p - p_ref) / p_ref < 0.01
         assert tf_agree >= 0.9 * tf_total
         if dt != "fp8":
             assert tf_agree >= 0.99 * tf_total and max(gaps, default=0.0) < 0.1
-        assert agreed >= 0.5 * total and same >= 0.25 * len(PROMPTS)
+        assert agreed >= 0.4 * total and same >= 0.15 * len(PROMPTS)
         assert sum(diffs) / len(diffs) < (0.05 if dt == "fp8" else 0.009)
 
 

@@ -622,9 +622,16 @@ def test_the_engine_keeps_quantised_weights_in_tile_layout_and_counts_them(monke
     assert "weights kept in tile layout" in kernels.describe()
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     prompt = [list(range(1, 2 + kernels.active().amx_min_rows))]  # a prefill on the tiles
-    kept = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
-    monkeypatch.setenv("KVINFER_AMX_KEEP", "0")
-    plain_llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)
-    assert all(m._tiles is None for m in plain_llm.engine.loaded.model.modules() if isinstance(m, QuantLinear))
-    plain = plain_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    lib = kernels.active()
+    route = lib.prompt_route
+    lib.set_prompt_route(False)  # (the prompt route reads only the kept copy: compare the int8 routes alone)
+    try:
+        kept = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+        monkeypatch.setenv("KVINFER_AMX_KEEP", "0")
+        plain_llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)
+        assert not plain_llm.engine.runner.prompt_route
+        assert all(m._tiles is None for m in plain_llm.engine.loaded.model.modules() if isinstance(m, QuantLinear))
+        plain = plain_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    finally:
+        lib.set_prompt_route(route)
     assert (kept.token_ids, kept.logprobs) == (plain.token_ids, plain.logprobs)

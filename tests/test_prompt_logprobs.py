@@ -44,8 +44,15 @@ def test_prompt_logprobs_are_bitwise_the_generated_tokens_logprobs(builtin_llm):
                                   SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     pl = scored.prompt_logprobs
     assert len(pl) == p + len(gen.token_ids)
-    assert [(x.token_id, x.logprob, x.top) for x in pl[p:]] == [(x.token_id, x.logprob, x.top) for x in gen.logprobs]
     assert scored.num_cached_tokens == 0  # the prompt's blocks were cached, yet every position was computed
+    if builtin_llm.engine.runner.prompt_route:
+        # Where prompt rows have their own route (AMX-BF16), a scored token's row is a prompt row, computed in
+        # bfloat16: the same tokens, logprobs within a few hundredths (KVINFER_PROMPT_BF16=0 gives the bits back).
+        assert [x.token_id for x in pl[p:]] == [x.token_id for x in gen.logprobs]
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(pl[p:], gen.logprobs)]
+        assert 0 < max(diffs) < 0.1, diffs
+        return
+    assert [(x.token_id, x.logprob, x.top) for x in pl[p:]] == [(x.token_id, x.logprob, x.top) for x in gen.logprobs]
 
 
 def test_prompt_logprobs_in_long_chunked_prompts_and_with_the_prefix_cache():

@@ -192,6 +192,7 @@ class LLMEngine:
 
             self.tp = TensorParallel.start(config, self.loaded)
             self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
+        self.kv_manager.prompt_roles = self.runner.prompt_route  # prefix-cache hashes say which tokens are prompt
         self.sampler = Sampler()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.groups: dict[str, _Group] = {}
@@ -407,7 +408,8 @@ class LLMEngine:
         for r in sch.running:
             p = r.params
             if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain or r.grammar is not None
-                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids):
+                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids
+                    or (self.runner.prompt_route and r.num_computed_tokens < r.num_prompt_tokens)):
                 return 0
             n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
         if n < 1:

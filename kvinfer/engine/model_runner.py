@@ -20,6 +20,7 @@ class StepPlan:
     block_copies: list  # copy-on-write (src, dst) block pairs to apply before the forward
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sharded LM head's)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs (likewise)
+    prompt_spans: list = field(default_factory=list)  # [(start, end)] rows of prompt tokens, where they have a route
 
 
 PROMPT_LOGITS_ROWS = 64  # prompt-logprob rows per LM-head call: [64, vocab] float32 at a time, not [prompt, vocab]
@@ -42,6 +43,12 @@ class ModelRunner:
         self.device = device
         self._fused = None  # FusedDecode, built on the first decode-only step
         self._fused_checked = False
+        # Prompt rows by their own route (quant_linear.prompt_rows): each row's route is its role, a prompt token
+        # or not, so a request's result still does not depend on what shares its steps.
+        from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on
+
+        self.prompt_route = model is not None and prompt_route_on() and any(
+            isinstance(m, QuantLinear) and m.uses_kernel() and m._tiles is not None for m in model.modules())
 
     def _fused_decode(self):
         if not self.use_fused_decode:
@@ -83,6 +90,13 @@ class ModelRunner:
                 for pos in range(len(req.prompt_logprobs), min(v.end, req.num_prompt_tokens - 1)):
                     p.prompt_rows.append(first + pos)
                     prompt_reqs.append(req)
+            if self.prompt_route and v.start < req.num_prompt_tokens:
+                first = len(p.input_ids) - v.start
+                a, b = first + v.start, first + min(v.end, req.num_prompt_tokens)
+                if p.prompt_spans and p.prompt_spans[-1][1] == a:
+                    p.prompt_spans[-1] = (p.prompt_spans[-1][0], b)
+                else:
+                    p.prompt_spans.append((a, b))
             known = min(v.end, req.num_tokens)
             p.input_ids += req.token_slice(v.start, known)
             if v.end > known:  # proposed tokens follow the known ones
@@ -107,12 +121,17 @@ class ModelRunner:
         self.backend.copy_blocks(p.block_copies)
         md = self.backend.prepare(p.slices)
         input_ids = torch.tensor(p.input_ids, dtype=torch.long, device=self.device)
-        if md.kernel is not None and md.kernel.decode_only:  # every sequence decodes one token
+        if md.kernel is not None and md.kernel.decode_only and not p.prompt_spans:  # every sequence decodes one token
             fused = self._fused_decode()
             if fused is not None:  # (positions: from md.kernel)
                 y = fused(input_ids, md, with_logits)
                 return (None, y) if with_logits and fused.fuses_head else (y, None)
         positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
+        if p.prompt_spans:
+            from kvinfer.layers.quant_linear import prompt_rows
+
+            with prompt_rows(p.prompt_spans):
+                return self.model(input_ids, positions, md, self.backend), None
         return self.model(input_ids, positions, md, self.backend), None
 
     @torch.inference_mode()

@@ -195,6 +195,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
         "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
+        "kvq_amx_bf16_enable": ([c_int], c_int),
+        "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
         "kvq_max_threads": ([], c_int),
     }
     for name, (args, res) in sig.items():
@@ -255,6 +257,8 @@ class Kernels:
         if self.lib.kvq_level() != LEVELS.index(level_name):
             raise RuntimeError(f"{path} is not a {level_name} build")
         self.amx = False
+        self.prompt_route = False
+        self._want_prompt_route = False  # asked for (set_prompt_route); on only while the tiles are
 
     @property
     def amx_min_rows(self) -> int:
@@ -265,7 +269,15 @@ class Kernels:
         """Quantised matmuls of amx_min_rows rows and more on AMX tiles (the avx512 level, where the OS grants the
         tile state; the same bits as without). Returns whether they now are."""
         self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
+        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(self._want_prompt_route)))
         return self.amx
+
+    def set_prompt_route(self, on: bool) -> bool:
+        """Prompt rows (matmul_prompt) on AMX bfloat16 tiles: needs the tiles on (set_amx) and a CPU with AMX-BF16
+        and AVX512_BF16. Returns whether the route is now on."""
+        self._want_prompt_route = bool(on)
+        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(bool(on))))
+        return self.prompt_route
 
     @property
     def keeps_tiles(self) -> bool:
@@ -335,6 +347,29 @@ class Kernels:
                                  bias.data_ptr() if bias is not None else None, out.data_ptr(),
                                  out.stride(0) if M > 1 else N, _nt(num_threads))
         _check(rc, "matmul")
+        return out
+
+    def matmul_prompt(self, x: torch.Tensor, w: torch.Tensor, qtype: str, bias: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> Optional[torch.Tensor]:
+        """matmul() by the prompt rows' route: W (raw GGML rows with a kept tile copy) and x widened and rounded to
+        bfloat16, products summed by AMX bfloat16 tiles in K order; a row's bits depend on its own values only,
+        on this CPU. None when the route is off or W has no kept copy (use matmul)."""
+        if not self.prompt_route or w.dtype != torch.uint8 or qtype not in QTYPES:
+            return None
+        _cpu_f32("x", x, 2)
+        M, K = x.shape
+        N = w.shape[0]
+        if x.stride(1) != 1 and K > 1:
+            raise ValueError("x rows must be contiguous")
+        if out is None:
+            out = torch.empty((M, N), dtype=torch.float32)
+        rc = self.lib.kvq_matmul_prompt(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N,
+                                        w.stride(0) if N > 1 else w.shape[1], QTYPES[qtype],
+                                        bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                        out.stride(0) if M > 1 else N, _nt(num_threads))
+        if rc == -1:  # KVQ_EBADTYPE: no kept copy
+            return None
+        _check(rc, "prompt matmul")
         return out
 
     # -- attention ------------------------------------------------------------------------------------------
@@ -593,6 +628,7 @@ def library(level_name: str) -> Kernels:
         lib = _loaded[level_name] = Kernels(level_name, build(flags=LEVEL_FLAGS[level_name]))
         # (the library's switch is process-wide, so it is set either way: a reload may find it on)
         lib.set_amx(level_name == "avx512" and cpu_features()["amx_granted"] and not _off("KVINFER_AMX"))
+        lib.set_prompt_route(lib.amx and not _off("KVINFER_PROMPT_BF16"))
     return lib
 
 

@@ -25,6 +25,12 @@ int kvq_amx_min_rows(void); /* rows from which a quantised matmul runs on the ti
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
 int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles);
+/* Prompt rows on AMX bfloat16 tiles over a kept weight (exact per CPU; see qmatmul.c): enable (on as above;
+ * needs the int8 tiles on, AMX-BF16 and AVX512_BF16), then kvq_matmul's arguments; KVQ_EBADTYPE when the route
+ * is off or the weight has no kept copy. */
+int kvq_amx_bf16_enable(int on);
+int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
+                      int qt, const float *bias, float *y, int64_t ldy, int nthreads);
 
 /* Attention of T query tokens over a KV cache addressed through block tables; see attn.c. */
 struct kvq_attn {

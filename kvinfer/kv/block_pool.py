@@ -15,11 +15,15 @@ class KVBlock:
     block_hash: Optional[bytes] = None  # set once the block is full and registered in the prefix cache
 
 
-def hash_block(parent: Optional[bytes], token_ids: Iterable[int]) -> bytes:
-    """Chained hash: a block's identity is its tokens and everything before them."""
+def hash_block(parent: Optional[bytes], token_ids: Iterable[int], prompt_tokens: Optional[int] = None) -> bytes:
+    """Chained hash: a block's identity is its tokens and everything before them. prompt_tokens (where prompt
+    rows are computed by their own route): how many of the block's tokens are its request's prompt, so that a
+    block is only found by a request whose tokens there have the same roles (the same arithmetic)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"\0" * 16)
     h.update(array("q", token_ids).tobytes())
+    if prompt_tokens is not None:
+        h.update(b"P" + int(prompt_tokens).to_bytes(4, "little"))
     return h.digest()
 
 

@@ -1,7 +1,7 @@
 """KV managers: which cache memory each request owns (paged blocks, contiguous slots, or none), as `KVManager`s."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kvinfer.kv.block_pool import BlockPool, hash_block
 from kvinfer.kv.interface import SeqSlice
@@ -29,6 +29,14 @@ class PagedKVManager:
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[bytes]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
+        # Set by the engine where prompt rows are computed by their own route (kernels' prompt route): a block's
+        # hash then also says how many of its tokens are prompt tokens.
+        self.prompt_roles = False
+
+    def _roles(self, req: Request, i: int) -> Optional[int]:
+        if not self.prompt_roles:
+            return None
+        return min(max(req.num_prompt_tokens - i * self.block_size, 0), self.block_size)
 
     @property
     def num_total_blocks(self) -> int:
@@ -56,7 +64,7 @@ class PagedKVManager:
         parent = None
         max_blocks = (req.num_tokens - 1) // bs
         for i in range(max_blocks):
-            h = hash_block(parent, req.token_slice(i * bs, (i + 1) * bs))
+            h = hash_block(parent, req.token_slice(i * bs, (i + 1) * bs), self._roles(req, i))
             bid = self.pool.lookup(h)
             if bid is None:
                 break
@@ -104,7 +112,7 @@ class PagedKVManager:
         bs = self.block_size
         hashes = self.block_hashes.setdefault(req.request_id, [])
         for i in range(len(hashes), num_tokens // bs):
-            h = hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs))
+            h = hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs), self._roles(req, i))
             hashes.append(h)
             self.pool.register(table[i], h)
 

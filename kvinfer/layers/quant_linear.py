@@ -1,6 +1,8 @@
 """Linear layers and embeddings that keep GGML-quantised weights, multiplying small batches with kvinfer.kernels."""
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -20,6 +22,27 @@ from kvinfer.loaders.dequant import block_info, dequantize, nbytes_for, type_nam
 DEFAULT_KERNEL_MAX_ROWS = 32
 
 RawWeight = Union[torch.Tensor, np.ndarray]
+
+_route = threading.local()  # .spans: the current forward's prompt rows, [(start, end), ...] (prompt_rows)
+
+
+def prompt_route_on() -> bool:
+    """Whether QuantLinears compute prompt rows by their own route (kernels' matmul_prompt: AMX bfloat16 tiles
+    over the kept tile copy; KVINFER_PROMPT_BF16=0: not)."""
+    return kernels.available() and kernels.active().prompt_route and kernels.keep_tiles_enabled()
+
+
+@contextmanager
+def prompt_rows(spans: Sequence[tuple[int, int]]):
+    """Within: the rows in spans (sorted, disjoint [start, end) row ranges of the forward's token batch) are prompt
+    rows; QuantLinears with a kept tile copy compute them by the prompt route, the others as usual. A row's route
+    is its role (set by the runner from the row's position against its prompt's length), never the batch's."""
+    prev = getattr(_route, "spans", None)
+    _route.spans = list(spans) or None
+    try:
+        yield
+    finally:
+        _route.spans = prev
 
 
 def _raw_tensor(raw: RawWeight, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -152,7 +175,11 @@ class QuantLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty((t, n), dtype=torch.float32)
-            self._kernel.run(x2.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
+            spans = getattr(_route, "spans", None)
+            if spans and self._tiles is not None:
+                self._run_by_role(x2, y, spans)
+            else:
+                self._kernel.run(x2.data_ptr(), t, y.data_ptr(), torch.get_num_threads())
         else:
             w = self.dequantized_weight()
             if w.dtype != x2.dtype:
@@ -160,6 +187,24 @@ class QuantLinear(nn.Module):
             bias = self.bias if self.bias is None or self.bias.dtype == x2.dtype else self.bias.to(x2.dtype)
             y = F.linear(x2, w, bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+    def _run_by_role(self, x: torch.Tensor, y: torch.Tensor, spans: list) -> None:
+        """Prompt rows (spans) by the prompt route, the rows between them by the kernel as usual."""
+        t, k, n = x.shape[0], self.in_features, self.out_features
+        if spans[-1][1] > t:
+            raise RuntimeError(f"prompt rows {spans[-1]} outside a batch of {t} rows")
+        lib, nt = kernels.active(), torch.get_num_threads()
+        if not lib.prompt_route:  # switched off for the process since (tests do): every row by the kernel
+            self._kernel.run(x.data_ptr(), t, y.data_ptr(), nt)
+            return
+        done = 0
+        for a, b in spans + [(t, t)]:
+            if a > done:
+                self._kernel.run(x.data_ptr() + done * k * 4, a - done, y.data_ptr() + done * n * 4, nt)
+            if b > a and lib.matmul_prompt(x[a:b], self.raw, self.qtype, self.bias, y[a:b], nt) is None:
+                raise RuntimeError("the prompt route has no kept tile copy of this weight")
+            done = b
 
 
 def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:

@@ -36,6 +36,7 @@ class DraftProposer:
                       loaded.device, enable_prefix_caching=False, sliding_window=mc.sliding_window)
         self.manager, self.cache = make_kv(spec, alibi=getattr(loaded.model, "alibi", None))
         self.runner = ModelRunner(loaded.model, self.cache, self.manager, loaded.device)
+        self.manager.prompt_roles = self.runner.prompt_route
         self.runner.computes_prompt_logprobs = False  # its requests are shadows of the target's
         self.shadows: dict[str, _Shadow] = {}
 
