@@ -968,7 +968,8 @@ BF16P_TARGET static inline __attribute__((always_inline)) void bf16p_pack_t(cons
                 const __m512i v = _mm512_load_si512(g + b * 512 + 64 * k);
                 __m512 w[4];
                 for (int i = 0; i < 4; i++)
-                    w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24)));
+                    w[i] = _mm512_mul_ps(
+                        d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24)));
                 bf16p_pair(w[0], w[1], idx, o + 32 * (2 * k));
                 bf16p_pair(w[2], w[3], idx, o + 32 * (2 * k + 1));
             }

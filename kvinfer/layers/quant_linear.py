@@ -188,7 +188,6 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, w, bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
-
     def _run_by_role(self, x: torch.Tensor, y: torch.Tensor, spans: list) -> None:
         """Prompt rows (spans) by the prompt route, the rows between them by the kernel as usual."""
         t, k, n = x.shape[0], self.in_features, self.out_features
