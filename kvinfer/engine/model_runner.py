@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from kvinfer.kv.interface import SeqSlice, decodes_first
+from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on, prompt_rows
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -45,8 +46,6 @@ class ModelRunner:
         self._fused_checked = False
         # Prompt rows by their own route (quant_linear.prompt_rows): each row's route is its role, a prompt token
         # or not, so a request's result still does not depend on what shares its steps.
-        from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on
-
         self.prompt_route = model is not None and prompt_route_on() and any(
             isinstance(m, QuantLinear) and m.uses_kernel() and m._tiles is not None for m in model.modules())
 
@@ -128,8 +127,6 @@ class ModelRunner:
                 return (None, y) if with_logits and fused.fuses_head else (y, None)
         positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
         if p.prompt_spans:
-            from kvinfer.layers.quant_linear import prompt_rows
-
             with prompt_rows(p.prompt_spans):
                 return self.model(input_ids, positions, md, self.backend), None
         return self.model(input_ids, positions, md, self.backend), None

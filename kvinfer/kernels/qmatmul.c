@@ -926,12 +926,7 @@ int kvq_amx_bf16_enable(int on) {
     return amx_bf16_on;
 }
 
-#ifndef BF16P_SPAN_BYTES
-#define BF16P_SPAN_BYTES (256 * 1024)
-#endif
-#ifndef BF16P_KC
-#define BF16P_KC 8 /* blocks of K per chunk: 32 rows' chunk of x, 16 KiB */
-#endif
+#define BF16P_SPAN_BYTES (256 * 1024) /* packed weights per span of passes (1.5 MiB was slower once, 1 MiB alike) */
 #define BF16P_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
 
 static void bf16p_config(void) BF16P_TARGET;
@@ -1002,8 +997,9 @@ BF16P_TARGET static void bf16p_pack(const uint8_t *g, int64_t nb, int qt, uint16
 
 /* Output columns n0..n1 (n0 a multiple of 32) of all rows; xb: the activations as bfloat16 in tile order (per 16
  * rows and block of 32 K values, 16 rows of 64 bytes: one A tile, contiguous), Mp rows (zeros past M). The passes
- * (32 columns each) of a span that fits the thread's scratch are packed first, then each 32-row group of x meets
- * every pass of the span (x's group stays in cache, the packed weights stream from L2). */
+ * (32 columns each) of a span are packed first, then each 32-row group of x meets every pass of the span, all of
+ * K at a time (the packed weights stream from L2, two blocks ahead; chunks of K that kept x's rows in L1 measured
+ * alike and were dropped). */
 BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int64_t Mp, const uint8_t *kept,
                                    int64_t n0, int64_t n1) {
     const int64_t nb = j->K / QK, K = j->K, gb = kept_group_bytes(nb, j->qt);
@@ -1011,11 +1007,8 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
     const size_t pass_bytes = (size_t)nb * 2 * 512 * sizeof(uint16_t);
     int64_t PC = (int64_t)(BF16P_SPAN_BYTES / pass_bytes);
     PC = PC < 1 ? 1 : PC > P ? P : PC;
-    uint8_t *scr = amx_scratch(pass_bytes * (size_t)PC + sizeof(float) * 1024 * (size_t)PC);
-    if (!scr) return KVQ_ENOMEM;
-    uint16_t *bt = (uint16_t *)scr;
-    float *cacc = (float *)(scr + pass_bytes * (size_t)PC); /* per pass: 4 tiles of 16 x 16 sums */
-    const int64_t KC = BF16P_KC > 0 ? BF16P_KC : nb;
+    uint16_t *bt = (uint16_t *)amx_scratch(pass_bytes * (size_t)PC);
+    if (!bt) return KVQ_ENOMEM;
     float cbuf[4][16][16] __attribute__((aligned(64)));
     bf16p_config();
     for (int64_t q0 = 0; q0 < P; q0 += PC) {
@@ -1029,24 +1022,14 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
         for (int64_t r0 = 0; r0 < Mp; r0 += 32) {
             const int two = r0 + 16 < Mp; /* a second 16-row group: the same instructions for each row */
             const uint16_t *xa = xb + r0 * K, *xc = xb + (r0 + 16) * K; /* (tile order: 16 rows' block, 1 KiB) */
-            for (int64_t k0 = 0; k0 < nb; k0 += KC) { /* x's K chunk stays in L1 while the passes stream by */
-                const int64_t k1 = k0 + KC < nb ? k0 + KC : nb;
-                for (int64_t p = q0; p < q1; p++) {
+            for (int64_t p = q0; p < q1; p++) {
                 const int64_t c0 = n0 + 32 * p, nc = n1 - c0 < 32 ? n1 - c0 : 32;
                 const uint16_t *b0 = bt + (p - q0) * nb * 1024, *b1 = b0 + nb * 512;
-                float *cp = cacc + (p - q0) * 1024; /* the sums so far (exact: float32 out and back in) */
-                if (k0 == 0) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                } else {
-                    _tile_loadd(0, cp, 64);
-                    _tile_loadd(1, cp + 256, 64);
-                    _tile_loadd(2, cp + 512, 64);
-                    _tile_loadd(3, cp + 768, 64);
-                }
-                for (int64_t b = k0; b < k1; b++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t b = 0; b < nb; b++) {
                     for (int l = 0; l < 16; l++) { /* the weights two blocks ahead, from L2 (1.09x at 512 rows) */
                         _mm_prefetch((const char *)(b0 + (b + 2) * 512) + 64 * l, _MM_HINT_T0);
                         _mm_prefetch((const char *)(b1 + (b + 2) * 512) + 64 * l, _MM_HINT_T0);
@@ -1061,13 +1044,6 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
                         _tile_dpbf16ps(2, 5, 6);
                         _tile_dpbf16ps(3, 5, 7);
                     }
-                }
-                if (k1 < nb) {
-                    _tile_stored(0, cp, 64);
-                    _tile_stored(1, cp + 256, 64);
-                    _tile_stored(2, cp + 512, 64);
-                    _tile_stored(3, cp + 768, 64);
-                    continue;
                 }
                 for (int h = 0; h < 1 + two; h++) {
                     const int64_t rr = r0 + 16 * h;
@@ -1104,7 +1080,6 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
                             yr[n] = j->bias ? v + j->bias[c0 + n] : v;
                         }
                     }
-                }
                 }
             }
         }
