@@ -141,3 +141,127 @@ def test_a_prompt_token_computed_alone_takes_the_prompt_route(builtin_model_path
                   max_num_batched_tokens=32, enable_prefix_caching=False, num_scheduler_steps=8)
     c = chunked.generate([{"prompt_token_ids": prompt}], p)[0].outputs[0]
     assert a.token_ids == c.token_ids and [x.logprob for x in a.logprobs] == [x.logprob for x in c.logprobs]
+
+
+# ---- attention of prompt rows (kvq_attention_prompt) ----
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def _cache(L: int, kvh: int, d: int, bs: int, dtype, seed: int, seqs: int = 1):
+    """A paged pool holding `seqs` sequences of L positions in shuffled blocks, and their block tables."""
+    g = torch.Generator().manual_seed(seed)
+    per = (L + bs - 1) // bs
+    nb = per * seqs + 3
+    k = (torch.randn(nb, bs, kvh, d, generator=g) * 2).to(dtype)
+    v = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    tables = torch.randperm(nb, generator=g)[: per * seqs].view(seqs, per).contiguous()
+    return k, v, tables
+
+
+def _attn(lib, q, k, v, tables, tok_seq, tok_pos, kvh, **kw):
+    nb, bs, _, d = k.shape
+    kvd = "bfloat16" if k.dtype == torch.bfloat16 else "float32"
+    return lib.attention(q, k, v, tables, tok_seq, tok_pos, num_kv_heads=kvh, block_size=bs, num_blocks=nb,
+                         strides=(bs * kvh * d, kvh * d, d), scale=d ** -0.5, kv_dtype=kvd, **kw)
+
+
+def _reference(q, k, v, tables, seq, pos, kvh, slopes=None):
+    """float64 softmax attention of one query row with the operands rounded as the route rounds them (q, keys,
+    values and the weights exp(s - m) to bfloat16; l the sum of the rounded weights)."""
+    H, d = q.shape
+    bs = k.shape[1]
+    idx = torch.arange(pos + 1)
+    blocks = tables[seq, idx // bs]
+    ks, vs = _bf16(k[blocks, idx % bs]), _bf16(v[blocks, idx % bs])  # [p, kvh, d]
+    out = []
+    for h in range(H):
+        g = h // (H // kvh)
+        s = (ks[:, g] @ _bf16(q[h])).float().double() * d ** -0.5
+        if slopes is not None:
+            s = s + float(slopes[h]) * (idx - pos).double()
+        p = _bf16(torch.exp(s - s.max()))
+        out.append((p @ vs[:, g]) / p.sum())
+    return torch.stack(out)
+
+
+@needs_route
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H,kvh,d,alibi", [(9, 3, 64, False), (4, 4, 128, False), (6, 2, 64, True)])
+def test_prompt_attention_is_the_bf16_softmax_and_row_invariant(dtype, H, kvh, d, alibi):
+    lib = kernels.active()
+    L, bs = 600, 16
+    k, v, tables = _cache(L, kvh, d, bs, dtype, seed=3)
+    q = torch.randn(L, H, d, generator=torch.Generator().manual_seed(4))
+    tok_seq, tok_pos = torch.zeros(L, dtype=torch.long), torch.arange(L)
+    slopes = torch.linspace(-0.5, -0.01, H) if alibi else None
+    kw = {"alibi_slopes": slopes}
+    out = _attn(lib, q, k, v, tables, tok_seq, tok_pos, kvh, prompt_spans=[(0, L)], **kw)
+    plain = _attn(lib, q, k, v, tables, tok_seq, tok_pos, kvh, **kw)
+    errs = sorted((out[t].double() - _reference(q[t], k, v, tables, 0, t, kvh, slopes)).abs().max().item()
+                  for t in (0, 1, 15, 16, 31, 32, 255, 256, 257, 511, 512, 599))
+    # float32 sums' rounding only, except where a weight's rounding went the other way (exp differing in its
+    # last bit at a bfloat16 tie): one weight off by 2^-9 of itself
+    assert errs[len(errs) // 2] < 1e-5 and errs[-1] < 4e-3, errs
+    # a different number from the float route, not a no-op
+    assert not torch.equal(out, plain) and (out - plain).abs().max() < 0.05
+    # a row's bits: whatever the chunking of its prompt, the rows beside it, the thread count
+    for cuts in ([0, 5, 37, 100, 256, 300, L], [0, 1, 2, 17, 599, L]):
+        parts = [_attn(lib, q[a:b], k, v, tables, tok_seq[a:b], tok_pos[a:b], kvh, prompt_spans=[(0, b - a)], **kw)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts), out), cuts
+    for nt in (1, 2):
+        assert torch.equal(_attn(lib, q, k, v, tables, tok_seq, tok_pos, kvh, prompt_spans=[(0, L)],
+                                 num_threads=nt, **kw), out)
+    # prompt rows among others: each by its role
+    mixed = _attn(lib, q, k, v, tables, tok_seq, tok_pos, kvh, prompt_spans=[(3, 50), (60, L)], **kw)
+    for a, b, want in ((0, 3, plain), (3, 50, out), (50, 60, plain), (60, L, out)):
+        assert torch.equal(mixed[a:b], want[a:b]), (a, b)
+
+
+@needs_route
+def test_prompt_attention_of_several_sequences_in_one_call():
+    lib = kernels.active()
+    L, kvh, d = 300, 3, 64
+    k, v, tables = _cache(L, kvh, d, 16, torch.bfloat16, seed=5, seqs=3)
+    q = torch.randn(3 * L, 9, d, generator=torch.Generator().manual_seed(6))
+    alone = [_attn(lib, q[s * L:(s + 1) * L], k, v, tables, torch.full((L,), s), torch.arange(L), kvh,
+                   prompt_spans=[(0, L)]) for s in range(3)]
+    # interleaved: pieces of the three prompts in one step, in chunks of different lengths
+    rows = [(s, a, b) for s, cuts in ((0, [0, 40, 300]), (1, [0, 7, 300]), (2, [0, 299, 300])) for a, b in
+            zip(cuts, cuts[1:])]
+    qs = torch.cat([q[s * L + a:s * L + b] for s, a, b in rows])
+    seq = torch.cat([torch.full((b - a,), s) for s, a, b in rows])
+    pos = torch.cat([torch.arange(a, b) for s, a, b in rows])
+    out = _attn(lib, qs, k, v, tables, seq, pos, kvh, prompt_spans=[(0, len(pos))])
+    at = 0
+    for s, a, b in rows:
+        assert torch.equal(out[at:at + b - a], alone[s][a:b]), (s, a, b)
+        at += b - a
+
+
+@needs_route
+def test_prompt_attention_leaves_jobs_it_does_not_take_to_the_usual_kernel():
+    lib = kernels.active()
+    L, kvh, d = 100, 2, 64
+    k, v, tables = _cache(L, kvh, d, 16, torch.bfloat16, seed=7)
+    q = torch.randn(L, 4, d)
+    seq, pos = torch.zeros(L, dtype=torch.long), torch.arange(L)
+    spans = [(0, L)]
+    # a sliding window, a head size that is not a multiple of 64: the usual kernel for every row
+    assert torch.equal(_attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=spans, sliding_window=20),
+                       _attn(lib, q, k, v, tables, seq, pos, kvh, sliding_window=20))
+    k32, v32, t32 = _cache(L, kvh, 32, 16, torch.bfloat16, seed=8)
+    q32 = torch.randn(L, 4, 32)
+    assert torch.equal(_attn(lib, q32, k32, v32, t32, seq, pos, kvh, prompt_spans=spans),
+                       _attn(lib, q32, k32, v32, t32, seq, pos, kvh))
+    with pytest.raises(ValueError, match="not spans"):
+        _attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=[(0, L + 1)])
+    # the route switched off: every row as usual
+    assert lib.set_prompt_route(False) is False
+    try:
+        assert torch.equal(_attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=spans),
+                           _attn(lib, q, k, v, tables, seq, pos, kvh))
+    finally:
+        assert lib.set_prompt_route(True)

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvinfer.config import KV_8BIT
 
@@ -64,6 +64,7 @@ KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16
 KV_SCALED = KV_8BIT
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 _EBADSHAPE = -2
+_EBADTYPE = -1  # KVQ_EBADTYPE: also "not a job this route takes" (kvq_attention_prompt)
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
            -5: "weight rows too short for K", -6: "block id or slot outside the pool"}
 
@@ -174,6 +175,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_matmul": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
         "kvq_matmul_packed": ([vp], c_int),
         "kvq_attention": ([vp], c_int),
+        "kvq_attention_prompt": ([vp], c_int),
         "kvq_decode_step": ([vp], c_int),
         "kvq_decode_steps": ([vp, i64, vp, i64, vp, vp, vp], c_int),
         "kvq_sample_row": ([vp, i64, f32, i64, f32, f32, ctypes.c_double, vp], i64),
@@ -378,13 +380,17 @@ class Kernels:
                   num_blocks: int, strides: tuple[int, int, int], scale: float, out: Optional[torch.Tensor] = None,
                   alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
                   num_threads: Optional[int] = None, kv_dtype: str = "float32",
-                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                  prompt_spans: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
         """Query tokens q [T, H, D] (rows may be strided) attend to positions [first, tok_pos[t]] of sequence
         tok_seq[t], whose keys / values sit in k / v at table[p // block_size] * strides[0] + (p % block_size) *
         strides[1] + kv_head * strides[2] (in elements). tables int64 [S, blocks]. Returns out [T, H, D].
         kv_dtype int8 / fp8: k, v hold 8-bit values (torch.int8 / torch.uint8 e4m3 bits) and k_scale / v_scale
         float32 the scale of each group of 32 values (of each row if D % 32) at the group's offset / its size;
-        bfloat16: k, v torch.bfloat16, no scales."""
+        bfloat16: k, v torch.bfloat16, no scales. prompt_spans: sorted, disjoint [start, end) rows that are prompt
+        tokens; where the prompt route is on (prompt_route) and takes the job (head size a multiple of 64 up to
+        256, no sliding window, float32 or bfloat16 cache) they attend by it (AMX bfloat16 tiles), the others as
+        usual."""
         T, H, D = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
             raise ValueError(f"q must be float32 [T, H, D] with contiguous heads, got {q.dtype} {tuple(q.shape)}")
@@ -421,7 +427,26 @@ class Kernels:
                       tok_seq.data_ptr(), tok_pos.data_ptr(), slopes, T, H, kvh, D, block_size, num_blocks,
                       tables.shape[1], q.stride(0) if T > 1 else H * D, out.stride(0) if T > 1 else H * D,
                       strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads), kvt)
-        _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
+        if not prompt_spans or not self.prompt_route:
+            _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
+            return out
+        if prompt_spans[-1][1] > T or any(b <= a for a, b in prompt_spans):
+            raise ValueError(f"prompt rows {list(prompt_spans)} are not spans of a batch of {T} rows")
+        done = 0
+        for a, b in list(prompt_spans) + [(T, T)]:
+            for lo, hi, fn in ((done, a, self.lib.kvq_attention), (a, b, self.lib.kvq_attention_prompt)):
+                if hi <= lo:
+                    continue
+                part = AttnJob.from_buffer_copy(job)
+                part.q = job.q + lo * job.q_stride * 4
+                part.out = job.out + lo * job.out_stride * 4
+                part.tok_seq, part.tok_pos = job.tok_seq + lo * 8, job.tok_pos + lo * 8
+                part.T = hi - lo
+                rc = fn(ctypes.byref(part))
+                if rc == _EBADTYPE and fn is self.lib.kvq_attention_prompt:  # not a job the route takes
+                    rc = self.lib.kvq_attention(ctypes.byref(part))
+                _check(rc, "attention")
+            done = b
         return out
 
     # -- embedding lookup -----------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ struct kvq_attn {
     int32_t nthreads, kv_dtype;
 };
 int kvq_attention(const struct kvq_attn *j);
+/* The prompt rows' route (AMX-BF16 tiles where kvq_matmul_prompt's route is on): the same job, every row a prompt
+ * token's; KVQ_EBADTYPE when the route is off or the job is not of its kind (the caller then uses kvq_attention). */
+int kvq_attention_prompt(const struct kvq_attn *j);
 
 /* Quantise T rows of KVH heads x D floats (row stride src_stride) into an 8-bit or bfloat16 cache: row t, head g
  * goes to element dst_off[t] + g * head_stride of dst; an 8-bit cache's group scales go to the group's element

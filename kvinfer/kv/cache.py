@@ -13,6 +13,7 @@ from kvinfer.config import kv_scale_bytes
 from kvinfer.errors import ValidationError
 from kvinfer.kv.interface import SeqSlice, is_decode, leading_decodes
 from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
+from kvinfer.layers.quant_linear import current_prompt_spans
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -133,7 +134,8 @@ class _Backend:
                                  alibi_slopes=self.alibi, sliding_window=self.sliding_window,
                                  kv_dtype=self.kv_dtype if q8 else "float32",
                                  k_scale=self.k_scale[layer] if scaled else None,
-                                 v_scale=self.v_scale[layer] if scaled else None)
+                                 v_scale=self.v_scale[layer] if scaled else None,
+                                 prompt_spans=current_prompt_spans())
 
     @property
     def nbytes(self) -> int:

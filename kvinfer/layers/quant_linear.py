@@ -45,6 +45,11 @@ def prompt_rows(spans: Sequence[tuple[int, int]]):
         _route.spans = prev
 
 
+def current_prompt_spans() -> Optional[list]:
+    """The prompt rows of the forward running on this thread (prompt_rows), or None: attention reads them too."""
+    return getattr(_route, "spans", None)
+
+
 def _raw_tensor(raw: RawWeight, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
     """The raw bytes as a contiguous uint8 tensor [rows, row_bytes], checked against qtype and shape."""
     rows, cols = (int(s) for s in shape)
