@@ -61,7 +61,7 @@ def test_prompt_matmul_needs_a_kept_copy():
     lib = kernels.active()
     raw = _weight("Q8_0", 32, 64)  # never kept
     assert lib.matmul_prompt(torch.randn(3, 64), raw, "Q8_0") is None
-    assert "prompt rows on AMX bfloat16 tiles" in kernels.describe()
+    assert "prompt rows' matmuls and attention on AMX bfloat16 tiles" in kernels.describe()
 
 
 @needs_route

@@ -732,7 +732,7 @@ def describe() -> str:
     if _active.amx:
         tiles += f", AMX tiles from {_active.amx_min_rows} rows"
     if _active.prompt_route and keep_tiles_enabled():
-        tiles += ", prompt rows on AMX bfloat16 tiles"
+        tiles += ", prompt rows' matmuls and attention on AMX bfloat16 tiles"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
             f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
