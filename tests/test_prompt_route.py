@@ -265,3 +265,20 @@ def test_prompt_attention_leaves_jobs_it_does_not_take_to_the_usual_kernel():
                            _attn(lib, q, k, v, tables, seq, pos, kvh))
     finally:
         assert lib.set_prompt_route(True)
+
+
+@needs_route
+def test_prompt_attention_over_a_long_context_lays_out_kv_heads_in_groups():
+    """Past 32 MiB of laid-out keys and values a call takes its kv heads a group at a time (here one by one: 70,000
+    positions of two kv heads): the same results as a row alone, and the reference's."""
+    lib = kernels.active()
+    L, kvh, d = 70_000, 2, 64
+    k, v, tables = _cache(L, kvh, d, 16, torch.bfloat16, seed=9)
+    pos = torch.tensor([5, L - 3, L - 2, L - 1])
+    q = torch.randn(4, 4, d, generator=torch.Generator().manual_seed(10))
+    seq = torch.zeros(4, dtype=torch.long)
+    out = _attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=[(0, 4)])
+    for i in range(4):
+        alone = _attn(lib, q[i:i + 1], k, v, tables, seq[i:i + 1], pos[i:i + 1], kvh, prompt_spans=[(0, 1)])
+        assert torch.equal(alone[0], out[i])
+        assert (out[i].double() - _reference(q[i], k, v, tables, 0, int(pos[i]), kvh)).abs().max() < 4e-3

@@ -873,6 +873,7 @@ int kvq_attention(const struct kvq_attn *jp) {
  * that CPU's (as kvq_matmul_prompt's). Head sizes that are multiples of 64 up to 256; no sliding window;
  * float32 and bfloat16 caches. */
 #if KVQ_LEVEL >= 2 && defined(__AMX_TILE__)
+#define PA_PACK_BYTES (32 << 20) /* the most a call lays out at once (kv heads in groups beyond it) */
 #define PA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 
 struct pa_cfg {
@@ -1086,58 +1087,65 @@ PA_TARGET int kvq_attention_prompt(const struct kvq_attn *jp) {
         maxc = num_pieces(&j, t) > maxc ? num_pieces(&j, t) : maxc;
     }
     tile0[ntiles] = j.T;
-    /* packed operands: per sequence, per kv head, npos * D values of keys and of values */
-    size_t total = 0;
+    /* packed operands: per sequence, per kv head, npos * D values of keys and of values; kv heads in groups
+     * whose operands fit PA_PACK_BYTES (a long context's copy stays bounded) */
+    size_t per_head = 0;
     for (int64_t s = 0; s < nseq; s++) {
         seqs[s].npos = (seqs[s].last + 32) / 32 * 32;
-        total += (size_t)(seqs[s].npos * D * 2 * j.KVH);
+        per_head += sizeof(uint16_t) * (size_t)(seqs[s].npos * D * 2);
     }
-    uint16_t *packed = (uint16_t *)aligned_alloc(64, (sizeof(uint16_t) * total + 63) / 64 * 64);
+    int64_t gh = (int64_t)(PA_PACK_BYTES / per_head);
+    gh = gh < 1 ? 1 : gh > j.KVH ? j.KVH : gh;
+    uint16_t *packed = (uint16_t *)aligned_alloc(64, (per_head * (size_t)gh + 63) / 64 * 64);
     if (!packed) {
         free(tile0), free(seqs);
         return KVQ_ENOMEM;
     }
     int64_t units = 0; /* pack work: (sequence, 32 positions) */
     for (int64_t s = 0, off = 0; s < nseq; s++) {
-        seqs[s].kt = packed + off, seqs[s].vp = packed + off + seqs[s].npos * D * j.KVH;
-        off += seqs[s].npos * D * 2 * j.KVH;
+        seqs[s].kt = packed + off, seqs[s].vp = packed + off + seqs[s].npos * D * gh;
+        off += seqs[s].npos * D * 2 * gh;
         units += seqs[s].npos / 32;
     }
-    const int64_t items = ntiles * j.KVH, per_tok = maxc * G * (D + 2);
-    int nt = j.nthreads > 0 ? j.nthreads : 1;
-    if (nt > items) nt = (int)items;
+    const int64_t per_tok = maxc * G * (D + 2);
     int status = KVQ_OK;
+    for (int64_t g0 = 0; g0 < j.KVH && status == KVQ_OK; g0 += gh) {
+        const int64_t ng = j.KVH - g0 < gh ? j.KVH - g0 : gh, items = ntiles * ng;
+        int nt = j.nthreads > 0 ? j.nthreads : 1;
+        if (nt > items) nt = (int)items;
 #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        const size_t fl = (size_t)(16 * CHUNK) + (size_t)(16 * D) + (size_t)(QTILE * per_tok);
-        const size_t hw = (size_t)(16 * CHUNK) + (size_t)(G * 16 * D) + (size_t)(64 * D);
-        char *scr = (char *)aligned_alloc(64, (sizeof(float) * fl + sizeof(uint16_t) * hw + 127) / 64 * 64);
-        if (!scr) {
+        {
+            const size_t fl = (size_t)(16 * CHUNK) + (size_t)(16 * D) + (size_t)(QTILE * per_tok);
+            const size_t hw = (size_t)(16 * CHUNK) + (size_t)(G * 16 * D) + (size_t)(64 * D);
+            char *scr = (char *)aligned_alloc(64, (sizeof(float) * fl + sizeof(uint16_t) * hw + 127) / 64 * 64);
+            if (!scr) {
 #pragma omp atomic write
-            status = KVQ_ENOMEM;
-        }
-        float *S = (float *)scr, *O = S + 16 * CHUNK, *local = O + 16 * D;
-        uint16_t *P = (uint16_t *)(local + QTILE * per_tok), *qb = P + 16 * CHUNK, *rows = qb + G * 16 * D;
+                status = KVQ_ENOMEM;
+            }
+            float *S = (float *)scr, *O = S + 16 * CHUNK, *local = O + 16 * D;
+            uint16_t *P = (uint16_t *)(local + QTILE * per_tok), *qb = P + 16 * CHUNK, *rows = qb + G * 16 * D;
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units * j.KVH; u++) {
-            if (!scr) continue;
-            int64_t g = u % j.KVH, kb = u / j.KVH, s = 0;
-            while (kb >= seqs[s].npos / 32) kb -= seqs[s++].npos / 32;
-            struct pa_seq ps = seqs[s];
-            ps.kt += g * ps.npos * D, ps.vp += g * ps.npos * D;
-            pa_pack(&j, &ps, g, kb, rows);
-        }
-        if (scr) pa_config();
+            for (int64_t u = 0; u < units * ng; u++) {
+                if (!scr) continue;
+                int64_t g = u % ng, kb = u / ng, s = 0;
+                while (kb >= seqs[s].npos / 32) kb -= seqs[s++].npos / 32;
+                struct pa_seq ps = seqs[s];
+                ps.kt += g * ps.npos * D, ps.vp += g * ps.npos * D;
+                pa_pack(&j, &ps, g0 + g, kb, rows);
+            }
+            if (scr) pa_config();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (!scr || status != KVQ_OK) continue;
-            const int64_t g = it / ntiles, ti = it % ntiles;
-            struct pa_seq ps = seqs[tile_seq[ti]];
-            ps.kt += g * ps.npos * D, ps.vp += g * ps.npos * D;
-            pa_tile(&j, &ps, tile0[ti], (int)(tile0[ti + 1] - tile0[ti]), g, S, P, qb, O, local, per_tok);
+            for (int64_t it = 0; it < items; it++) {
+                if (!scr || status != KVQ_OK) continue;
+                const int64_t g = it / ntiles, ti = it % ntiles;
+                struct pa_seq ps = seqs[tile_seq[ti]];
+                ps.kt += g * ps.npos * D, ps.vp += g * ps.npos * D;
+                pa_tile(&j, &ps, tile0[ti], (int)(tile0[ti + 1] - tile0[ti]), g0 + g, S, P, qb, O, local,
+                        per_tok);
+            }
+            if (scr) _tile_release();
+            free(scr);
         }
-        if (scr) _tile_release();
-        free(scr);
     }
     free(packed), free(tile0), free(seqs);
     return status;
