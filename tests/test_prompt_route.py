@@ -256,8 +256,9 @@ def test_prompt_attention_leaves_jobs_it_does_not_take_to_the_usual_kernel():
     q32 = torch.randn(L, 4, 32)
     assert torch.equal(_attn(lib, q32, k32, v32, t32, seq, pos, kvh, prompt_spans=spans),
                        _attn(lib, q32, k32, v32, t32, seq, pos, kvh))
-    with pytest.raises(ValueError, match="not spans"):
-        _attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=[(0, L + 1)])
+    for bad in ([(0, L + 1)], [(5, 5)], [(10, 20), (15, 30)], [(30, 40), (0, 10)], [(-1, 3)]):
+        with pytest.raises(ValueError, match="not spans"):
+            _attn(lib, q, k, v, tables, seq, pos, kvh, prompt_spans=bad)
     # the route switched off: every row as usual
     assert lib.set_prompt_route(False) is False
     try:

@@ -430,7 +430,8 @@ class Kernels:
         if not prompt_spans or not self.prompt_route:
             _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
             return out
-        if prompt_spans[-1][1] > T or any(b <= a for a, b in prompt_spans):
+        ends = [0] + [e for _, e in prompt_spans][:-1]
+        if prompt_spans[-1][1] > T or any(b <= a or a < e for (a, b), e in zip(prompt_spans, ends)):
             raise ValueError(f"prompt rows {list(prompt_spans)} are not spans of a batch of {T} rows")
         done = 0
         for a, b in list(prompt_spans) + [(T, T)]:
