@@ -876,14 +876,8 @@ int kvq_attention(const struct kvq_attn *jp) {
 #define PA_PACK_BYTES (32 << 20) /* the most a call lays out at once (kv heads in groups beyond it) */
 #define PA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 
-struct pa_cfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 PA_TARGET static void pa_config(void) {
-    struct pa_cfg c;
+    struct kvq_tile_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64; /* 0: S, 1: A (q or p), 2-3: B, 4-7: O */

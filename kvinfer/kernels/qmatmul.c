@@ -505,14 +505,8 @@ int kvq_amx_enable(int on) {
 
 int kvq_amx_min_rows(void) { return AMX_MIN_ROWS; }
 
-struct amx_cfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 static void amx_config(void) {
-    struct amx_cfg c;
+    struct kvq_tile_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 64; /* C: hi / lo products of column tiles 0, 1 */
@@ -931,7 +925,7 @@ int kvq_amx_bf16_enable(int on) {
 
 static void bf16p_config(void) BF16P_TARGET;
 static void bf16p_config(void) {
-    struct amx_cfg c;
+    struct kvq_tile_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64; /* C 0-3, A 4-5 (32 bf16 of 16 rows), B 6-7 */

@@ -137,6 +137,13 @@ static inline vf vf_hsum_each8(const float *v) {
 }
 
 #if KVQ_LEVEL >= 2
+/* An AMX tile configuration (ldtilecfg's 64-byte operand, palette 1): qmatmul.c's and attn.c's tiles. */
+struct kvq_tile_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
 /* vf_exp of 16 floats: the same operations lane for lane (each an IEEE operation), so the same bits. */
 static inline __m512 v16_exp(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
