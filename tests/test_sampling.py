@@ -205,3 +205,14 @@ def test_allowed_token_ids_that_a_grammar_forbids_yield_to_it(builtin_llm):
             temperature=t, seed=1, max_tokens=8, allowed_token_ids=allowed,
             structured_output={"choice": ["red", "blue"]}))[0].outputs[0]
         assert out.text in ("red", "blue") and out.finish_reason == "stop"
+
+
+def test_a_top_k_past_any_vocabulary_keeps_every_token(tiny_llama_dir):
+    """A top_k too large for int64 (the server's fuzzing sent 5e22) disables top-k like 0, instead of failing the
+    request inside the sampler; a top_k larger than the vocabulary already kept every token."""
+    assert SamplingParams(top_k=5 * 10 ** 22).top_k == 0 and SamplingParams(top_k=-1).top_k == 0
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=4 << 20, block_size=4)
+    p = [[5, 9, 13, 17, 21]]
+    outs = [llm.generate(p, SamplingParams(temperature=1.2, seed=7, top_k=k, max_tokens=12, ignore_eos=True))[0]
+            .outputs[0].token_ids for k in (0, 10 ** 9, 5 * 10 ** 22)]
+    assert outs[0] == outs[1] == outs[2]
