@@ -104,10 +104,10 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes, Mapping)):
             self.allowed_token_ids = _listed(self.allowed_token_ids)
         self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _listed(self.bad_words or [])
-        # -1 disables top-k, as 0 does; so does a k larger than any vocabulary (the kernels take it as int64, where
-        # a k past 2^63 would not fit)
+        # -1 disables top-k, as 0 does; so does a k larger than any vocabulary (the kernels take it as an int64,
+        # which a k past 2^63 - 1 would not fit)
         if self.top_k == -1 or (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-                                and self.top_k > 2 ** 62):
+                                and self.top_k >= 2 ** 63):
             self.top_k = 0
         self._validate()
 

@@ -81,7 +81,7 @@ def test_quant_linear_computes_prompt_rows_by_their_route_and_the_rest_as_before
     for a, e in ((0, 2), (9, 20)):
         assert torch.equal(mixed[a:e], plain[a:e])
     assert not torch.equal(mixed, plain)
-    with pytest.raises(RuntimeError, match="outside a batch"):
+    with pytest.raises(ValueError, match="not spans of a batch of 30 rows"):
         with prompt_rows([(25, 31)]):
             lin(x)
 

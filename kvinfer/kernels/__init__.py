@@ -242,6 +242,21 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {_ERRORS.get(rc, rc)}")
 
 
+def role_runs(spans: Sequence[tuple[int, int]], rows: int):
+    """The rows [0, rows) of a step as consecutive runs (start, end, is_prompt): the prompt spans (sorted, disjoint,
+    non-empty [start, end) row ranges) and the rows between them. ValueError when spans are not such ranges."""
+    done = 0
+    for a, b in spans:
+        if not done <= a < b <= rows:
+            raise ValueError(f"prompt rows {list(spans)} are not spans of a batch of {rows} rows")
+        if a > done:
+            yield done, a, False
+        yield a, b, True
+        done = b
+    if rows > done:
+        yield done, rows, False
+
+
 def _cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim:
         raise ValueError(f"{name} must be a float32 CPU tensor with {dim} dims, got {t.dtype} {tuple(t.shape)} "
@@ -430,24 +445,16 @@ class Kernels:
         if not prompt_spans or not self.prompt_route:
             _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
             return out
-        ends = [0] + [e for _, e in prompt_spans][:-1]
-        if prompt_spans[-1][1] > T or any(b <= a or a < e for (a, b), e in zip(prompt_spans, ends)):
-            raise ValueError(f"prompt rows {list(prompt_spans)} are not spans of a batch of {T} rows")
-        done = 0
-        for a, b in list(prompt_spans) + [(T, T)]:
-            for lo, hi, fn in ((done, a, self.lib.kvq_attention), (a, b, self.lib.kvq_attention_prompt)):
-                if hi <= lo:
-                    continue
-                part = AttnJob.from_buffer_copy(job)
-                part.q = job.q + lo * job.q_stride * 4
-                part.out = job.out + lo * job.out_stride * 4
-                part.tok_seq, part.tok_pos = job.tok_seq + lo * 8, job.tok_pos + lo * 8
-                part.T = hi - lo
-                rc = fn(ctypes.byref(part))
-                if rc == _EBADTYPE and fn is self.lib.kvq_attention_prompt:  # not a job the route takes
-                    rc = self.lib.kvq_attention(ctypes.byref(part))
-                _check(rc, "attention")
-            done = b
+        for lo, hi, prompt in list(role_runs(prompt_spans, T)):  # (all checked before any call)
+            part = AttnJob.from_buffer_copy(job)
+            part.q = job.q + lo * job.q_stride * 4
+            part.out = job.out + lo * job.out_stride * 4
+            part.tok_seq, part.tok_pos = job.tok_seq + lo * 8, job.tok_pos + lo * 8
+            part.T = hi - lo
+            rc = self.lib.kvq_attention_prompt(ctypes.byref(part)) if prompt else _EBADTYPE
+            if rc == _EBADTYPE:  # an other row, or a job the prompt route does not take
+                rc = self.lib.kvq_attention(ctypes.byref(part))
+            _check(rc, "attention")
         return out
 
     # -- embedding lookup -----------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ class QuantLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty((t, n), dtype=torch.float32)
-            spans = getattr(_route, "spans", None)
+            spans = current_prompt_spans()
             if spans and self._tiles is not None:
                 self._run_by_role(x2, y, spans)
             else:
@@ -196,19 +196,13 @@ class QuantLinear(nn.Module):
     def _run_by_role(self, x: torch.Tensor, y: torch.Tensor, spans: list) -> None:
         """Prompt rows (spans) by the prompt route, the rows between them by the kernel as usual."""
         t, k, n = x.shape[0], self.in_features, self.out_features
-        if spans[-1][1] > t:
-            raise RuntimeError(f"prompt rows {spans[-1]} outside a batch of {t} rows")
+        runs = list(kernels.role_runs(spans, t))  # (all checked before any call)
         lib, nt = kernels.active(), torch.get_num_threads()
-        if not lib.prompt_route:  # switched off for the process since (tests do): every row by the kernel
-            self._kernel.run(x.data_ptr(), t, y.data_ptr(), nt)
-            return
-        done = 0
-        for a, b in spans + [(t, t)]:
-            if a > done:
-                self._kernel.run(x.data_ptr() + done * k * 4, a - done, y.data_ptr() + done * n * 4, nt)
-            if b > a and lib.matmul_prompt(x[a:b], self.raw, self.qtype, self.bias, y[a:b], nt) is None:
+        for a, b, prompt in runs:
+            if not prompt or not lib.prompt_route:  # (switched off for the process since: tests do)
+                self._kernel.run(x.data_ptr() + a * k * 4, b - a, y.data_ptr() + a * n * 4, nt)
+            elif lib.matmul_prompt(x[a:b], self.raw, self.qtype, self.bias, y[a:b], nt) is None:
                 raise RuntimeError("the prompt route has no kept tile copy of this weight")
-            done = b
 
 
 def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
