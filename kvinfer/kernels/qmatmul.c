@@ -387,7 +387,7 @@ static const tile_f_fn tiles_f[MF_MAX + 1] = {NULL, tile_f1, tile_f2, tile_f3, t
  * groups of 8, lanes 8-15 the odd ones), so one FMA does what tile_f's two do, and two output columns at a time
  * share each row's loads. Each lane runs tile_f's operations in tile_f's order, then the halves are added and
  * summed as there: the same bits, on up to MF16_MAX rows (2 * MT accumulators in registers). The float32 weights
- * of a safetensors model, prefill-sized (Intel Xeon, 2 threads, smollm2-135m's matmuls at 512 rows): see README. */
+ * of a safetensors model, prefill-sized (Intel Xeon, 2 threads, smollm2-135m's matmuls at 512 rows): see docs/BENCHMARKS.md, "Float weights". */
 #define MF16_MAX 8
 
 static inline __m512 load_w16(const uint8_t *row, int64_t k, int qt) {

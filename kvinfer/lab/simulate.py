@@ -77,7 +77,7 @@ FITTED = CostModel(
 )
 
 
-# Gloo on loopback, measured by `python -m kvinfer.parallel.measure 3` on the 2-core EPYC, load ~8 (README): the
+# Gloo on loopback, measured by `python -m kvinfer.parallel.measure 3` on the 2-core EPYC, load ~8 (docs/BENCHMARKS.md): the
 # start-up cost of one collective and the bytes/s beyond it. NCCL over NVLink is ~10 us and ~100+ GB/s.
 GLOO_LOOPBACK_LATENCY_S = 1.1e-3
 GLOO_LOOPBACK_BANDWIDTH = 0.32e9
