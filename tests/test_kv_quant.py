@@ -108,17 +108,17 @@ def test_fp8_is_e4m3fn_bit_for_bit():
     assert torch.equal(codes, x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
-def _pools_case(kv_dtype, H, KVH, D, lib=None, seed=3):
+def _pools_case(kv_dtype, H, KVH, D, lib=None, seed=3, NB=40, per_seq=18, pos=(3, 140, 0, 7, 139, 141)):
     g = torch.Generator().manual_seed(seed)
-    NB, BS = 40, 8
+    BS = 8
     k, v = torch.randn(NB * BS, KVH, D, generator=g), torch.randn(NB * BS, KVH, D, generator=g)
     k[:, :, 3] *= 8  # outlier channels, as real keys have
     kc, ks, _, kd = _quantise(k, kv_dtype, lib)
     vc, vs, _, vd = _quantise(v, kv_dtype, lib)
     shape = (NB, BS, KVH, D)
-    tables = torch.randperm(NB, generator=g)[:36].view(2, 18).contiguous()
-    q = torch.randn(6, H, D, generator=g)
-    tok_seq, tok_pos = torch.tensor([0, 0, 1, 1, 1, 0]), torch.tensor([3, 140, 0, 7, 139, 141])
+    tables = torch.randperm(NB, generator=g)[:2 * per_seq].view(2, per_seq).contiguous()
+    q = torch.randn(len(pos), H, D, generator=g)
+    tok_seq, tok_pos = torch.tensor([0, 0, 1, 1, 1, 0][:len(pos)]), torch.tensor(pos)
     kw = dict(num_kv_heads=KVH, block_size=BS, num_blocks=NB, strides=(BS * KVH * D, KVH * D, D), scale=D ** -0.5)
     pools = dict(k=kc.view(shape), v=vc.view(shape))
     if ks is not None:
@@ -180,6 +180,22 @@ def test_8bit_attention_is_the_same_bits_on_every_level_alone_or_batched(kv_dtyp
     for pools, out in outs[1:]:
         assert all(torch.equal(pools[n], outs[0][0][n]) for n in pools)  # the stores agree too
         assert torch.equal(out, outs[0][1])
+
+
+@pytest.mark.parametrize("H,KVH,D", [(8, 1, 128), (4, 4, 32), (20, 2, 64)])
+def test_int8_attention_is_the_same_bits_on_every_level_over_several_pieces(H, KVH, D):
+    # Head sizes of 1, 2 and 4 groups, 8 and 10 query heads per kv head, and contexts of one to three 256-position
+    # pieces: the AVX-512 level's 16-position scores and 32-dimension values must give the portable level's bits.
+    levels = [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+    outs = []
+    for lv in levels:
+        lib = kernels.library(lv)
+        q, pools, _, tables, tok_seq, tok_pos, kw = _pools_case("int8", H, KVH, D, lib=lib, NB=150, per_seq=75,
+                                                                pos=(599, 255, 0, 256, 513, 17))
+        outs.append(_attend(lib, q, pools, tables, tok_seq, tok_pos, kw, "int8", num_threads=2))
+        assert torch.isfinite(outs[-1]).all()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_invalid_kv_dtype_names_the_choices(capsys):

@@ -514,11 +514,33 @@ static size_t p8_layout(int64_t G, int64_t D, char *base, struct p8 *L) {
     P8_TAKE(qi, int16_t, G * D);
     P8_TAKE(qs, float, G * NG);
     P8_TAKE(wsc, float, G * NG);
-    P8_TAKE(tmp, int32_t, G * NG * 64);
+    P8_TAKE(tmp, int32_t, G * NG * 256); /* [G][NG][16 positions][16 lanes] (8 x 8 below the AVX-512 level) */
     P8_TAKE(ftmp, float, G * 64);
 #undef P8_TAKE
     return o;
 }
+
+#if KVQ_LEVEL >= 2
+/* Lane i of the result: the int32 sum of v[16 i .. 16 i + 15] (a transpose-add; integer sums, so any order gives
+ * the same bits as the AVX2 level's eight-lane partial sums). */
+static inline __m512i v16i_hsum16x16(const int32_t *v) {
+    __m512i t[8], u[4];
+    for (int k = 0; k < 8; k++) {
+        const __m512i a = _mm512_loadu_si512(v + 32 * k), b = _mm512_loadu_si512(v + 32 * k + 16);
+        t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    }
+    for (int k = 0; k < 4; k++)
+        u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
+                                _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    /* u[k], 128-bit chunk L, element e: chunk L's partial sum of row 4 k + e */
+    const __m512i r01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i r23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
 
 static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *j, int64_t t, int64_t g, int64_t p0,
                                                          int64_t p1, char *scr, float *part, const int DT,
@@ -554,7 +576,34 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
             }
     }
 
-    /* scores, 8 positions at a time */
+    /* scores, 8 positions at a time (int8 at the AVX-512 level: 16, below) */
+#if KVQ_LEVEL >= 2
+    if (DT == KV_INT8) { /* a group's 32 products in one vpmaddwd per head; 16 positions' sums by one transpose-add */
+        for (int64_t i0 = 0; i0 < n; i0 += 16) { /* i0 + 16 <= npad: padding rows repeat the last */
+            for (int64_t jj = 0; jj < 16; jj++) {
+                const int64_t i = i0 + jj;
+                const int8_t *kr = (const int8_t *)j->k + L.off[i];
+                if (i + 16 < npad) __builtin_prefetch((const int8_t *)j->k + L.off[i + 16]);
+                for (int64_t c = 0; c < NG; c++) {
+                    const __m512i kq = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + c * KV_GROUP)));
+#pragma GCC unroll 8
+                    for (int64_t h = 0; h < G; h++)
+                        _mm512_storeu_si512(L.tmp + ((h * NG + c) * 16 + jj) * 16,
+                                            _mm512_madd_epi16(kq, _mm512_loadu_si512(L.qi + h * D + c * KV_GROUP)));
+                }
+            }
+            for (int64_t h = 0; h < G; h++) { /* the float operations of the 8-lane code below, lane for lane */
+                __m512 d = _mm512_setzero_ps();
+                for (int64_t c = 0; c < NG; c++) {
+                    const __m512 f = _mm512_cvtepi32_ps(v16i_hsum16x16(L.tmp + (h * NG + c) * 256));
+                    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(L.qs[h * NG + c]), _mm512_loadu_ps(L.ks + c * CHUNK + i0));
+                    d = c ? _mm512_fmadd_ps(f, sc, d) : _mm512_mul_ps(f, sc);
+                }
+                _mm512_storeu_ps(L.s + h * CHUNK + i0, _mm512_mul_ps(d, _mm512_set1_ps(j->scale)));
+            }
+        }
+    } else
+#endif
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         for (int64_t jj = 0; jj < 8; jj++) {
             const int64_t i = i0 + jj;
@@ -601,8 +650,11 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
             const float slope = j->slopes[g * G + h];
             for (int64_t i = 0; i < n; i++) sh[i] = sh[i] + slope * (float)(p0 + i - pos);
         }
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+        vf vmx = vf_set1(-INFINITY); /* a maximum is exact: 8 lanes, then the lanes, then the tail */
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) vmx = vf_max(vmx, vf_load(sh + i));
+        float mx = vf_hmax(vmx);
+        for (; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
         float *ph = part + h * (D + 2);
         ph[0] = mx;
         ph[1] = kvq_exp_shift_sum(sh, n, mx);
@@ -621,46 +673,102 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
         }
     }
 
-    /* values, 16 dimensions at a time, every head's accumulators in registers */
+    /* values, 16 dimensions at a time, every head's accumulators in registers (int8 at the AVX-512 level: a group of
+     * 32 at a time, below) */
+#if KVQ_LEVEL >= 2
+    if (DT == KV_INT8) {
+        const __m512i nat0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), nat1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+        for (int64_t c = 0; c < NG; c++)
+            for (int64_t h0 = 0; h0 < G; h0 += 4) { /* up to 4 heads' accumulators, named so they stay in registers */
+                const int64_t nh = G - h0 < 4 ? G - h0 : 4;
+                /* 128-bit chunk L of lo: dimensions 8 L .. 8 L + 3 of the group; of hi: 8 L + 4 .. 8 L + 7 */
+                __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
+                        hi3 = lo0;
+                const int16_t *wq = L.wq + (h0 * NG + c) * CHUNK;
+                for (int64_t i = 0; i < n; i += 2) { /* n odd: the last pair's second row has weight 0 */
+                    const int8_t *a = (const int8_t *)j->v + L.off[i] + c * KV_GROUP,
+                                 *b = (const int8_t *)j->v + L.off[i + 1] + c * KV_GROUP;
+                    if (i + 8 < npad) __builtin_prefetch((const int8_t *)j->v + L.off[i + 8] + c * KV_GROUP);
+                    const __m512i A = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a)),
+                                  B = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b));
+                    const __m512i x0 = _mm512_unpacklo_epi16(A, B), x1 = _mm512_unpackhi_epi16(A, B);
+#define P8_VACC(k, lo, hi)                                                                                         \
+    if (nh > k) {                                                                                                  \
+        int32_t w;                                                                                                 \
+        memcpy(&w, wq + k * NG * CHUNK + i, sizeof w);                                                             \
+        const __m512i wv = _mm512_set1_epi32(w);                                                                   \
+        lo = _mm512_add_epi32(lo, _mm512_madd_epi16(x0, wv));                                                      \
+        hi = _mm512_add_epi32(hi, _mm512_madd_epi16(x1, wv));                                                      \
+    }
+                    P8_VACC(0, lo0, hi0) P8_VACC(1, lo1, hi1) P8_VACC(2, lo2, hi2) P8_VACC(3, lo3, hi3)
+#undef P8_VACC
+                }
+                const __m512i los[4] = {lo0, lo1, lo2, lo3}, his[4] = {hi0, hi1, hi2, hi3};
+                for (int64_t k = 0; k < nh; k++) { /* exact int32 sums, the same as the 8-lane code's; then its product */
+                    const int64_t h = h0 + k;
+                    const __m512 sc = _mm512_set1_ps(L.wsc[h * NG + c]);
+                    float *o = part + h * (D + 2) + 2 + c * KV_GROUP;
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat0, his[k])), sc));
+                    _mm512_storeu_ps(o + 16,
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat1, his[k])), sc));
+                }
+            }
+    } else
+#endif
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const int64_t c = d0 / KV_GROUP;
         if (DT == KV_INT8) {
-            vi acc[G][2];
-            for (int64_t h = 0; h < G; h++) acc[h][0] = acc[h][1] = vi_zero();
-            for (int64_t i = 0; i < n; i += 2) { /* n odd: the last pair's second row has weight 0 */
-                const int8_t *a = (const int8_t *)j->v + L.off[i] + d0, *b = (const int8_t *)j->v + L.off[i + 1] + d0;
-                if (i + 8 < npad) __builtin_prefetch((const uint8_t *)j->v + L.off[i + 8] + d0);
-                const vs x0 = vs_pair_i8(a, b), x1 = vs_pair_i8(a + 8, b + 8);
-                for (int64_t h = 0; h < G; h++) {
-                    int32_t w;
-                    memcpy(&w, L.wq + (h * NG + c) * CHUNK + i, sizeof w);
-                    acc[h][0] = vi_add(acc[h][0], vs_madd_pair(x0, w));
-                    acc[h][1] = vi_add(acc[h][1], vs_madd_pair(x1, w));
+            for (int64_t h0 = 0; h0 < G; h0 += 4) { /* up to 4 heads' accumulators, named so they stay in registers */
+                const int64_t nh = G - h0 < 4 ? G - h0 : 4;
+                vi a00 = vi_zero(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+                const int16_t *wq = L.wq + (h0 * NG + c) * CHUNK;
+                for (int64_t i = 0; i < n; i += 2) { /* n odd: the last pair's second row has weight 0 */
+                    const int8_t *a = (const int8_t *)j->v + L.off[i] + d0,
+                                 *b = (const int8_t *)j->v + L.off[i + 1] + d0;
+                    if (i + 8 < npad) __builtin_prefetch((const uint8_t *)j->v + L.off[i + 8] + d0);
+                    const vs x0 = vs_pair_i8(a, b), x1 = vs_pair_i8(a + 8, b + 8);
+#define P8_VACC8(k, lo, hi)                                                                                        \
+    if (nh > k) {                                                                                                  \
+        int32_t w;                                                                                                 \
+        memcpy(&w, wq + k * NG * CHUNK + i, sizeof w);                                                             \
+        lo = vi_add(lo, vs_madd_pair(x0, w));                                                                      \
+        hi = vi_add(hi, vs_madd_pair(x1, w));                                                                      \
+    }
+                    P8_VACC8(0, a00, a01) P8_VACC8(1, a10, a11) P8_VACC8(2, a20, a21) P8_VACC8(3, a30, a31)
+#undef P8_VACC8
                 }
-            }
-            for (int64_t h = 0; h < G; h++) {
-                const vf sc = vf_set1(L.wsc[h * NG + c]);
-                float *o = part + h * (D + 2) + 2 + d0;
-                vf_store(o, vf_mul(vi_to_vf(acc[h][0]), sc));
-                vf_store(o + 8, vf_mul(vi_to_vf(acc[h][1]), sc));
+                const vi los[4] = {a00, a10, a20, a30}, his[4] = {a01, a11, a21, a31};
+                for (int64_t k = 0; k < nh; k++) {
+                    const vf sc = vf_set1(L.wsc[(h0 + k) * NG + c]);
+                    float *o = part + (h0 + k) * (D + 2) + 2 + d0;
+                    vf_store(o, vf_mul(vi_to_vf(los[k]), sc));
+                    vf_store(o + 8, vf_mul(vi_to_vf(his[k]), sc));
+                }
             }
         } else {
-            vf acc[G][2];
-            for (int64_t h = 0; h < G; h++) acc[h][0] = acc[h][1] = vf_zero();
-            for (int64_t i = 0; i < n; i++) {
-                const uint8_t *vr = (const uint8_t *)j->v + L.off[i] + d0;
-                if (i + 8 < npad) __builtin_prefetch((const uint8_t *)j->v + L.off[i + 8] + d0);
-                const vf v0 = vf_load_e4m3(vr), v1 = vf_load_e4m3(vr + 8);
-                for (int64_t h = 0; h < G; h++) {
-                    const vf w = vf_set1(L.w[(h * NG + c) * CHUNK + i]);
-                    acc[h][0] = vf_fma(w, v0, acc[h][0]);
-                    acc[h][1] = vf_fma(w, v1, acc[h][1]);
+            for (int64_t h0 = 0; h0 < G; h0 += 4) { /* up to 4 heads' accumulators, named so they stay in registers */
+                const int64_t nh = G - h0 < 4 ? G - h0 : 4;
+                vf a00 = vf_zero(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+                const float *wf = L.w + (h0 * NG + c) * CHUNK;
+                for (int64_t i = 0; i < n; i++) {
+                    const uint8_t *vr = (const uint8_t *)j->v + L.off[i] + d0;
+                    if (i + 8 < npad) __builtin_prefetch((const uint8_t *)j->v + L.off[i + 8] + d0);
+                    const vf v0 = vf_load_e4m3(vr), v1 = vf_load_e4m3(vr + 8);
+#define P8_FACC(k, lo, hi)                                                                                         \
+    if (nh > k) {                                                                                                  \
+        const vf w = vf_set1(wf[k * NG * CHUNK + i]);                                                              \
+        lo = vf_fma(w, v0, lo);                                                                                    \
+        hi = vf_fma(w, v1, hi);                                                                                    \
+    }
+                    P8_FACC(0, a00, a01) P8_FACC(1, a10, a11) P8_FACC(2, a20, a21) P8_FACC(3, a30, a31)
+#undef P8_FACC
                 }
-            }
-            for (int64_t h = 0; h < G; h++) {
-                float *o = part + h * (D + 2) + 2 + d0;
-                vf_store(o, acc[h][0]);
-                vf_store(o + 8, acc[h][1]);
+                const vf los[4] = {a00, a10, a20, a30}, his[4] = {a01, a11, a21, a31};
+                for (int64_t k = 0; k < nh; k++) {
+                    float *o = part + (h0 + k) * (D + 2) + 2 + d0;
+                    vf_store(o, los[k]);
+                    vf_store(o + 8, his[k]);
+                }
             }
         }
     }
