@@ -552,17 +552,26 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
     const int64_t hoff = g * j->head_stride;
     struct p8 L;
     p8_layout(G, D, scr, &L);
-    for (int64_t p = p0, i = 0, bi = p0 / j->BS, o = p0 % j->BS; p < p1; p++, i++) {
-        L.off[i] = table[bi] * j->block_stride + o * j->tok_stride + hoff;
-        if (++o == j->BS) o = 0, bi++;
-    }
-    for (int64_t i = n; i < npad; i++) L.off[i] = L.off[n - 1];
-    const float widen = DT == KV_FP8 ? 256.0f : 1.0f; /* vf_load_e4m3 reads values times 2^-8 */
-    for (int64_t i = 0; i < npad; i++)
-        for (int64_t c = 0; c < NG; c++) {
-            L.ks[c * CHUNK + i] = j->k_scale[L.off[i] / KV_GROUP + c] * widen;
-            L.vs[c * CHUNK + i] = j->v_scale[L.off[i] / KV_GROUP + c] * widen;
+    { /* the job's fields in locals: the stores to L.off could alias them */
+        const int64_t BS = j->BS, bstride = j->block_stride, tstride = j->tok_stride;
+        int64_t *off = L.off;
+        for (int64_t p = p0, i = 0, bi = p0 / BS, o = p0 % BS; p < p1; p++, i++) {
+            off[i] = table[bi] * bstride + o * tstride + hoff;
+            if (++o == BS) o = 0, bi++;
         }
+        for (int64_t i = n; i < npad; i++) off[i] = off[n - 1];
+    }
+    const float widen = DT == KV_FP8 ? 256.0f : 1.0f; /* vf_load_e4m3 reads values times 2^-8 */
+    {
+        const float *ksc = j->k_scale, *vsc = j->v_scale;
+        for (int64_t i = 0; i < npad; i++) {
+            const int64_t so = L.off[i] / KV_GROUP;
+            for (int64_t c = 0; c < NG; c++) {
+                L.ks[c * CHUNK + i] = ksc[so + c] * widen;
+                L.vs[c * CHUNK + i] = vsc[so + c] * widen;
+            }
+        }
+    }
     for (int64_t h = 0; h < G; h++) { /* q into the cache's rotated space */
         float *r = L.qf + h * D;
         memcpy(r, q + h * D, sizeof(float) * (size_t)D);
