@@ -407,16 +407,20 @@ def test_float32_cache_needs_float32_activations(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=1 << 20, kv_cache_dtype="float32")
 
 
-def test_none_backend_rounds_like_a_bfloat16_cache():
-    # The none backend keeps no cache, but rounds its K/V as a bfloat16 cache stores them: same bits as paged.
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+def test_none_backend_rounds_like_the_cache_dtype(kv_dtype):
+    # The none backend keeps no cache, but rounds (bfloat16, the default here) or quantises (int8, fp8) its K/V as
+    # a cache of that dtype stores them: the same bits as the paged and contiguous backends.
     ids = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 9, 200, 7]]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = {}
-    for kind in ("paged", "none"):
-        llm = LLM(None, kv_cache=kind, kv_cache_memory=8 << 20, max_model_len=256)
-        assert llm.engine.kv_cache.kv_dtype == "bfloat16"
+    for kind in ("paged", "contiguous", "none"):
+        llm = LLM(None, kv_cache=kind, kv_cache_memory=32 << 20, max_model_len=256, kv_cache_dtype=kv_dtype)
+        assert llm.engine.kv_cache.kv_dtype == ("bfloat16" if kv_dtype == "auto" else kv_dtype)
         outs[kind] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(ids, sp, use_tqdm=False)]
-    assert outs["paged"] == outs["none"]
+    assert outs["paged"] == outs["contiguous"] == outs["none"]
+    if kv_dtype != "auto":
+        return
     f32 = LLM(None, kv_cache="none", kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="float32")
     plain = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in f32.generate(ids, sp, use_tqdm=False)]
     assert plain != outs["none"]  # the rounding is really applied (logprobs move)

@@ -127,15 +127,17 @@ class _Backend:
         """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
         km = md.kernel
         keys, values, strides, kvh = self._kernel_kv(layer, k, v)
-        q8 = self.quantized and keys.dtype != torch.float32  # (the none backend: its own K/V, float32 or bf16)
-        scaled = q8 and self.scaled
+        scaled = self.quantized and self.scaled
+        k_scale, v_scale = self._kernel_scales(layer) if scaled else (None, None)
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
                                  alibi_slopes=self.alibi, sliding_window=self.sliding_window,
-                                 kv_dtype=self.kv_dtype if q8 else "float32",
-                                 k_scale=self.k_scale[layer] if scaled else None,
-                                 v_scale=self.v_scale[layer] if scaled else None,
-                                 prompt_spans=current_prompt_spans())
+                                 kv_dtype=self.kv_dtype if self.quantized else "float32",
+                                 k_scale=k_scale, v_scale=v_scale, prompt_spans=current_prompt_spans())
+
+    def _kernel_scales(self, layer: int):
+        """An 8-bit cache's key and value scales for this layer, as _kernel_kv's values are laid out."""
+        return self.k_scale[layer], self.v_scale[layer]
 
     @property
     def nbytes(self) -> int:
@@ -195,17 +197,24 @@ class NoCache(_Backend):
                 v[g.start:g.end].view(1, n, *v.shape[1:]).transpose(1, 2))
 
     def _kernel_kv(self, layer, k, v):
-        if self.kv_dtype == "bfloat16":  # rounded as a bfloat16 cache stores them (kv_store), then read the same
+        if self.quantized:  # stored as a cache of this dtype stores them (kv_store), then read the same
             T, kvh, d = k.shape
             offsets = torch.arange(T, dtype=torch.int64) * (kvh * d)
-            kb, vb = (torch.empty((T, kvh, d), dtype=torch.bfloat16) for _ in range(2))
+            kb, vb = (torch.empty((T, kvh, d), dtype=kernels.KV_STORAGE[self.kv_dtype]) for _ in range(2))
+            ks = vs = None
+            if self.scaled:
+                ks, vs = (torch.empty((T, kvh, kv_scale_bytes(d) // 4), dtype=torch.float32) for _ in range(2))
+            self._step_scales = (ks, vs)
             lib = kernels.active()
-            lib.kv_store(k, kb, None, offsets, d, "bfloat16")
-            lib.kv_store(v, vb, None, offsets, d, "bfloat16")
+            lib.kv_store(k, kb, ks, offsets, d, self.kv_dtype)
+            lib.kv_store(v, vb, vs, offsets, d, self.kv_dtype)
             return kb, vb, (kvh * d, kvh * d, d), kvh
         if k.stride() != v.stride() or k.stride(2) != 1:  # q/k norms made k a tensor of its own
             k, v = k.contiguous(), v.contiguous()
         return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
+
+    def _kernel_scales(self, layer):
+        return self._step_scales  # this layer's, set by _kernel_kv just before
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):

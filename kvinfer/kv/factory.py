@@ -37,9 +37,9 @@ class KVSpec:
 
 
 def kv_storage_dtype(kind: str, kv_cache_dtype: str) -> str:
-    # `none` keeps no K/V to quantize; a bfloat16 cache's rounding it applies to its own K/V, so that the
-    # backends agree bit for bit
-    return kv_cache_dtype if kind != "none" or kv_cache_dtype == "bfloat16" else "auto"
+    # Every backend, `none` included: it keeps no cache, but rounds (bfloat16) or quantises (int8 / fp8) its own
+    # K/V as a cache of that dtype stores them, so that the backends agree bit for bit
+    return kv_cache_dtype
 
 
 def kv_bytes_per_token(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
