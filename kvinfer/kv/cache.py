@@ -119,25 +119,24 @@ class _Backend:
                           block_size, num_blocks, all(is_decode(s) for s in seqs))
 
     def _kernel_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """(keys, values, (block, token, head) strides in floats, kv heads) the kernel reads for this layer."""
+        """(keys, values, (block, token, head) strides in elements, kv heads, key scales, value scales) the kernel
+        reads for this layer (the scales: an 8-bit cache's, else None)."""
         raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
         km = md.kernel
-        keys, values, strides, kvh = self._kernel_kv(layer, k, v)
-        scaled = self.quantized and self.scaled
-        k_scale, v_scale = self._kernel_scales(layer) if scaled else (None, None)
+        keys, values, strides, kvh, k_scale, v_scale = self._kernel_kv(layer, k, v)
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
                                  alibi_slopes=self.alibi, sliding_window=self.sliding_window,
                                  kv_dtype=self.kv_dtype if self.quantized else "float32",
                                  k_scale=k_scale, v_scale=v_scale, prompt_spans=current_prompt_spans())
 
-    def _kernel_scales(self, layer: int):
-        """An 8-bit cache's key and value scales for this layer, as _kernel_kv's values are laid out."""
-        return self.k_scale[layer], self.v_scale[layer]
+    def _layer_scales(self, layer: int):
+        """This layer's key and value scales (an 8-bit cache), else (None, None)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.scaled else (None, None)
 
     @property
     def nbytes(self) -> int:
@@ -204,17 +203,13 @@ class NoCache(_Backend):
             ks = vs = None
             if self.scaled:
                 ks, vs = (torch.empty((T, kvh, kv_scale_bytes(d) // 4), dtype=torch.float32) for _ in range(2))
-            self._step_scales = (ks, vs)
             lib = kernels.active()
             lib.kv_store(k, kb, ks, offsets, d, self.kv_dtype)
             lib.kv_store(v, vb, vs, offsets, d, self.kv_dtype)
-            return kb, vb, (kvh * d, kvh * d, d), kvh
+            return kb, vb, (kvh * d, kvh * d, d), kvh, ks, vs
         if k.stride() != v.stride() or k.stride(2) != 1:  # q/k norms made k a tensor of its own
             k, v = k.contiguous(), v.contiguous()
-        return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1]
-
-    def _kernel_scales(self, layer):
-        return self._step_scales  # this layer's, set by _kernel_kv just before
+        return k, v, (k.stride(0), k.stride(0), k.stride(1)), k.shape[1], None, None
 
 
 def _group_seqs(seqs: Sequence[SeqSlice]):
@@ -283,7 +278,7 @@ class ContiguousCache(_Backend):
 
     def _kernel_kv(self, layer, k, v):
         kvh, max_len, d = self.k[layer].shape[1:]
-        return self.k[layer], self.v[layer], (kvh * max_len * d, d, max_len * d), kvh
+        return self.k[layer], self.v[layer], (kvh * max_len * d, d, max_len * d), kvh, *self._layer_scales(layer)
 
 
 class PagedCache(_Backend):
@@ -306,7 +301,8 @@ class PagedCache(_Backend):
 
     def _kernel_kv(self, layer, k, v):
         row = self.num_kv_heads * self.head_dim
-        return self.k[layer], self.v[layer], (self.block_size * row, row, self.head_dim), self.num_kv_heads
+        return (self.k[layer], self.v[layer], (self.block_size * row, row, self.head_dim), self.num_kv_heads,
+                *self._layer_scales(layer))
 
     def _slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # table [b, blocks], pos [b, n] -> flat slot of each position [b, n]
