@@ -39,8 +39,8 @@ __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_
 log = logging.getLogger("kvinfer.kernels")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / n for n in ("qmatmul.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
-HEADERS = [HERE / "kernels.h", HERE / "simd.h"]
+SOURCES = [HERE / n for n in ("qmatmul.c", "kquants.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
+HEADERS = [HERE / "kernels.h", HERE / "simd.h", HERE / "ggml_blocks.h"]
 DISPATCH_SOURCE = HERE / "dispatch.c"
 CC = os.environ.get("CC") or "gcc"
 LEVELS = ("generic", "avx2", "avx512")
@@ -54,15 +54,24 @@ LEVEL_FLAGS = {
                                  "-mamx-tile", "-mamx-int8", "-mprefer-vector-width=256", "-DKVQ_LEVEL=2"],
 }
 
-# GGML type ids, as the C side takes them: quantised (32-element blocks) and float rows.
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+# GGML type ids, as the C side takes them: quantised (32-element blocks; K-quants, 256-element super-blocks, in
+# kquants.c) and float rows.
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # KV cache element types: float32, 8-bit values with a float32 scale per group of 32 values of a row (KV_SCALED),
 # or bfloat16.
 KV_DTYPES = {"float32": 0, "int8": 1, "fp8": 2, "bfloat16": 3}
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16}  # fp8 = e4m3 bit patterns
 KV_SCALED = KV_8BIT
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# (elements, bytes) per block, as ggml_blocks.h and qmatmul.c have them.
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+           "Q6_K": (256, 210)}
+
+
+def _short_rows(qtype: str, k: int, row_bytes: int) -> bool:
+    """Whether k is not a whole number of qtype's blocks, or rows of row_bytes cannot hold them."""
+    n, b = _BLOCKS[qtype]
+    return k % n != 0 or row_bytes < k // n * b
 _EBADSHAPE = -2
 _EBADTYPE = -1  # KVQ_EBADTYPE: also "not a job this route takes" (kvq_attention_prompt)
 _ERRORS = {-1: "unsupported weight type", -2: "bad shape or position", -4: "out of memory",
@@ -341,7 +350,7 @@ class Kernels:
             qt = QTYPES.get(qtype)
             if qt is None:
                 raise ValueError(f"quantised matmul supports {', '.join(QTYPES)}, not {qtype}")
-            if K % 32 or w.shape[1] < K // 32 * _BLOCK_BYTES[qtype]:
+            if _short_rows(qtype, K, w.shape[1]):
                 raise ValueError(f"K={K} must be a multiple of 32 and fit in {w.shape[1]}-byte {qtype} rows")
             ldw = w.stride(0) if N > 1 else w.shape[1]
         elif w.dtype in FLOAT_TYPES:
@@ -466,7 +475,7 @@ class Kernels:
             raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
         if w.dtype == torch.uint8:
             qt = QTYPES.get(qtype)
-            if qt is None or dim % 32 or w.shape[1] < dim // 32 * _BLOCK_BYTES[qtype]:
+            if qt is None or _short_rows(qtype, dim, w.shape[1]):
                 raise ValueError(f"{qtype} rows of {w.shape[1]} bytes cannot hold {dim} elements")
             ldw = w.stride(0)
         elif w.dtype in FLOAT_TYPES and w.shape[1] == dim:
@@ -821,7 +830,7 @@ class PreparedMatmul:
         lib = active()
         if w.dtype == torch.uint8:
             qt = QTYPES[qtype]
-            if k % 32 or w.shape[1] < k // 32 * _BLOCK_BYTES[qtype]:
+            if _short_rows(qtype, k, w.shape[1]):
                 raise ValueError(f"K={k} must be a multiple of 32 and fit in {w.shape[1]}-byte {qtype} rows")
             ldw = w.stride(0)
         else:

@@ -17,6 +17,13 @@ enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
                const float *bias, float *y, int64_t ldy, int nthreads);
 
+/* K-quant super-blocks (kquants.c; kvq_matmul and kvq_embed_rows hand them over), and the activations' int16
+ * rounding per block of 32 they share with qmatmul.c. */
+int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
+                  int qt, const float *bias, float *y, int64_t ldy, int nthreads);
+int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out);
+void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx);
+
 /* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level a quantised
  * weight may be kept in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister); both
  * the AMX and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE). */

@@ -24,6 +24,7 @@
  *
  * Float weights: 8-lane FMAs over K into two accumulators (even / odd groups of 8), a sequential scalar tail.
  */
+#include "ggml_blocks.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -80,6 +81,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
             dx[r * nb + b] = amax / 32767.0f;
             sx[r * nb + b] = vf_hsum(s);
         }
+}
+
+void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx) {
+    quantize_rows(x, M, K, ldx, xq, dx, sx);
 }
 
 static inline q32 load_q(const uint8_t *blk, int qt) {
@@ -1328,6 +1333,7 @@ int kvq_level(void) { return KVQ_LEVEL; }
  * output columns, never K, so the thread count cannot change a result. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
                const float *bias, float *y, int64_t ldy, int nthreads) {
+    if (kq_is_kquant(qt)) return kvq_kq_matmul(x, M, K, ldx, w, N, ldw, qt, bias, y, ldy, nthreads);
     const int bb = block_bytes(qt), eb = elem_bytes(qt);
     if (!bb && !eb) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || (bb && K % QK) || ldx < K || ldy < N) return KVQ_EBADSHAPE;
@@ -1405,6 +1411,12 @@ int kvq_matmul_packed(const int64_t *a) {
  * then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside [0, N). */
 int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
                    float *out) {
+    if (kq_is_kquant(qt)) {
+        if (n < 0 || K <= 0) return KVQ_EBADSHAPE;
+        for (int64_t r = 0; r < n; r++)
+            if (ids[r] < 0 || ids[r] >= N) return KVQ_EBADSHAPE;
+        return kvq_kq_embed_rows(w, ldw, qt, ids, n, K, out);
+    }
     const int bb = block_bytes(qt), eb = elem_bytes(qt);
     if (!bb && !eb) return KVQ_EBADTYPE;
     if (n < 0 || K <= 0 || (bb && K % QK)) return KVQ_EBADSHAPE;

@@ -1,0 +1,37 @@
+/* GGML block families the kernels read as stored: type ids (GGUF's), elements and bytes per block, in one place
+ * for the C side (the Python side mirrors it in kernels/__init__.py's _BLOCKS, checked against kvq_block_info).
+ *
+ * K-quants group 256 weights in a super-block (little-endian fp16 fields):
+ *   Q4_K (144 B): d dmin scales[12] qs[128]         8 sub-blocks of 32: w = (d * sc_j) * q - dmin * m_j, q 0..15
+ *   Q5_K (176 B): d dmin scales[12] qh[32] qs[128]  the same with a fifth bit from qh: q 0..31
+ *   Q6_K (210 B): ql[128] qh[64] scales[16] d       16 sub-blocks of 16: w = (d * sc_j) * (q - 32), sc_j int8
+ * Q4_K / Q5_K's 6-bit sc_j, m_j are packed in scales[12] (kq_scale_min). d * sc_j and dmin * m_j are exact in
+ * float (an 11-bit fp16 significand times a 6- or 8-bit integer). */
+#ifndef KVINFER_GGML_BLOCKS_H
+#define KVINFER_GGML_BLOCKS_H
+#include <stdint.h>
+
+#define QK_K 256
+enum { QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+
+static inline int kq_is_kquant(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+
+static inline int kq_block_bytes(int qt) {
+    switch (qt) {
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Sub-block j's (0..7) 6-bit scale and min from Q4_K / Q5_K's scales[12]. */
+static inline void kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63, *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+#endif

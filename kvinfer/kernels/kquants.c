@@ -1,0 +1,270 @@
+/* Matmul and embedding rows over GGML K-quant super-blocks (Q4_K, Q5_K, Q6_K; layouts in ggml_blocks.h), read as
+ * stored. kvq_matmul / kvq_embed_rows (qmatmul.c) hand these types here.
+ *
+ * The activations are rounded as for the 32-weight types (qmatmul.c's quantize_rows: int16 per block of 32, scale
+ * dx, exact float sum sx), so a sub-block's dot product with its quants is an exact int32 D_j. The arithmetic of
+ * y[r, n], the same whatever M, the thread count or the ISA level (every float step one IEEE operation, lane =
+ * output column):
+ *   acc = 0; for each super-block, for each sub-block j in order (b: the 32-activation block it lies in):
+ *     acc = fma(float(D_j), (d * sc_j) * dx_b, acc)
+ *     acc = acc - (dmin * m_j) * sx_b, one rounding (fnma)    Q4_K / Q5_K only
+ *   y = acc (+ bias[n], one add).
+ * A super-block of 8 output columns is unpacked once to int16 quants and exact float scales, then every row of
+ * the call reads it; a row's accumulators live in memory between super-blocks, so the row count never changes a
+ * row's operations. No AMX route: these types run on the vector route on every CPU.
+ */
+#include "ggml_blocks.h"
+#include "kernels.h"
+#include "simd.h"
+
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define KG 8 /* output columns per group: one 8-lane vector */
+#define KQ_MIN_BYTES_PER_THREAD (16 * 1024)
+
+/* Lane l: q[2l] x[2l] + q[2l + 1] x[2l + 1] (exact). */
+static inline vi dot16(const int16_t *q, const int16_t *x) {
+#if KVQ_LEVEL >= 1
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)q), _mm256_loadu_si256((const __m256i *)x));
+#else
+    vi r;
+    for (int l = 0; l < 8; l++) r.v[l] = (int32_t)q[2 * l] * x[2 * l] + (int32_t)q[2 * l + 1] * x[2 * l + 1];
+    return r;
+#endif
+}
+
+#if KVQ_LEVEL >= 1
+static inline __m256i u8x16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline void st16(int16_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
+
+/* kq_unpack's quants, 16 at a time (integers: the same values). */
+static inline __attribute__((always_inline)) void kq_unpack_q(const uint8_t *blk, const int qt, int16_t *q) {
+    const __m256i m15 = _mm256_set1_epi16(15), m3 = _mm256_set1_epi16(3);
+    if (qt == QT_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const __m256i o = _mm256_set1_epi16(32);
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, q += 128)
+            for (int i = 0; i < 32; i += 16) {
+                const __m256i a = u8x16(ql + i), b = u8x16(ql + 32 + i), hb = u8x16(qh + i);
+                st16(q + i, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(a, m15),
+                                                             _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)), o));
+                st16(q + 32 + i, _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(b, m15),
+                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4)), o));
+                st16(q + 64 + i, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(a, 4),
+                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4)), o));
+                st16(q + 96 + i, _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(b, 4),
+                     _mm256_slli_epi16(_mm256_srli_epi16(hb, 6), 4)), o));
+            }
+        return;
+    }
+    const uint8_t *qh = blk + 16, *qs = blk + (qt == QT_Q5_K ? 48 : 16);
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int c = 0; c < 4; c++, qs += 32, q += 64)
+        for (int i = 0; i < 32; i += 16) {
+            const __m256i v = u8x16(qs + i);
+            __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_srli_epi16(v, 4);
+            if (qt == QT_Q5_K) {
+                const __m256i hb = u8x16(qh + i);
+                lo = _mm256_add_epi16(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                hi = _mm256_add_epi16(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            }
+            st16(q + i, lo);
+            st16(q + 32 + i, hi);
+        }
+}
+
+/* kq_unpack's scales only. */
+static inline __attribute__((always_inline)) void kq_unpack_s(const uint8_t *blk, const int qt, float *ds, float *dm) {
+    if (qt == QT_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = kvq_half(kvq_rd16(blk + 208));
+        for (int j = 0; j < 16; j++) ds[j] = d * (float)sc[j];
+        return;
+    }
+    const float d = kvq_half(kvq_rd16(blk)), dmin = kvq_half(kvq_rd16(blk + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kq_scale_min(blk + 4, j, &sc, &m);
+        ds[j] = d * (float)sc, dm[j] = dmin * (float)m;
+    }
+}
+#endif
+
+/* One super-block: q[256] the quants as int16 (Q6_K: minus 32), ds[j] = d * sc_j, dm[j] = dmin * m_j (exact). */
+static void kq_unpack(const uint8_t *blk, int qt, int16_t *q, float *ds, float *dm) {
+    if (qt == QT_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = kvq_half(kvq_rd16(blk + 208));
+        for (int j = 0; j < 16; j++) ds[j] = d * (float)sc[j];
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, q += 128)
+            for (int l = 0; l < 32; l++) {
+                q[l] = (int16_t)(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+                q[l + 32] = (int16_t)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                q[l + 64] = (int16_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                q[l + 96] = (int16_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        return;
+    }
+    const float d = kvq_half(kvq_rd16(blk)), dmin = kvq_half(kvq_rd16(blk + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        kq_scale_min(blk + 4, j, &sc, &m);
+        ds[j] = d * (float)sc, dm[j] = dmin * (float)m;
+    }
+    const uint8_t *qh = blk + 16, *qs = blk + (qt == QT_Q5_K ? 48 : 16);
+    for (int c = 0; c < 4; c++, qs += 32, q += 64)
+        for (int l = 0; l < 32; l++) {
+            q[l] = (int16_t)(qs[l] & 15);
+            q[l + 32] = (int16_t)(qs[l] >> 4);
+            if (qt == QT_Q5_K) {
+                q[l] = (int16_t)(q[l] + (((qh[l] >> (2 * c)) & 1) << 4));
+                q[l + 32] = (int16_t)(q[l + 32] + (((qh[l] >> (2 * c + 1)) & 1) << 4));
+            }
+        }
+}
+
+struct kq_job {
+    const int16_t *xq;
+    const float *dx, *sx, *bias;
+    const uint8_t *w;
+    float *y;
+    int64_t M, K, N, ldw, ldy;
+    int qt;
+};
+
+/* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
+static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j, int64_t n0, int64_t n1,
+                                                           float *acc, int16_t *q, const int qt) {
+    const int bb = kq_block_bytes(qt), nsub = qt == QT_Q6_K ? 16 : 8;
+    const int64_t nsb = j->K / QK_K, nb = j->K / 32, M = j->M;
+    for (int64_t n = n0; n < n1; n += KG) {
+        const int g = n1 - n < KG ? (int)(n1 - n) : KG;
+        const uint8_t *rows[KG];
+        for (int u = 0; u < KG; u++) rows[u] = j->w + (n + (u < g ? u : g - 1)) * j->ldw;
+        for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
+        for (int64_t s = 0; s < nsb; s++) {
+            float ds[16][KG], dm[8][KG], dsu[16], dmu[8];
+            for (int u = 0; u < KG; u++) {
+#if KVQ_LEVEL >= 1
+                kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
+                kq_unpack_s(rows[u] + s * bb, qt, dsu, dmu);
+#else
+                kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
+#endif
+                for (int t = 0; t < nsub; t++) ds[t][u] = dsu[t];
+                if (qt != QT_Q6_K)
+                    for (int t = 0; t < 8; t++) dm[t][u] = dmu[t];
+            }
+            for (int64_t r = 0; r < M; r++) {
+                const int16_t *xr = j->xq + r * j->K + s * QK_K;
+                const float *dxr = j->dx + r * nb + s * 8, *sxr = j->sx + r * nb + s * 8;
+                vf a = vf_load(acc + r * KG);
+                if (qt == QT_Q6_K) {
+                    for (int t = 0; t < 16; t++) {
+                        vi p[KG];
+                        for (int u = 0; u < KG; u++) p[u] = dot16(q + u * QK_K + 16 * t, xr + 16 * t);
+                        a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t / 2])), a);
+                    }
+                } else {
+                    for (int t = 0; t < 8; t++) {
+                        vi p[KG];
+                        for (int u = 0; u < KG; u++) {
+                            const int16_t *qu = q + u * QK_K + 32 * t;
+                            p[u] = vi_add(dot16(qu, xr + 32 * t), dot16(qu + 16, xr + 32 * t + 16));
+                        }
+                        a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t])), a);
+                        a = vf_fnma(vf_load(dm[t]), vf_set1(sxr[t]), a);
+                    }
+                }
+                vf_store(acc + r * KG, a);
+            }
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int u = 0; u < g; u++)
+                j->y[r * j->ldy + n + u] = j->bias ? acc[r * KG + u] + j->bias[n + u] : acc[r * KG + u];
+    }
+}
+
+static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(j->M * KG));
+    int16_t *q = (int16_t *)malloc(sizeof(int16_t) * KG * QK_K);
+    if (!acc || !q) {
+        free(acc), free(q);
+        return KVQ_ENOMEM;
+    }
+    if (j->qt == QT_Q4_K) kq_cols(j, n0, n1, acc, q, QT_Q4_K);
+    else if (j->qt == QT_Q5_K) kq_cols(j, n0, n1, acc, q, QT_Q5_K);
+    else kq_cols(j, n0, n1, acc, q, QT_Q6_K);
+    free(acc), free(q);
+    return KVQ_OK;
+}
+
+int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
+                  int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
+    const int bb = kq_block_bytes(qt);
+    if (!bb) return KVQ_EBADTYPE;
+    if (M < 0 || N < 0 || K <= 0 || K % QK_K || ldx < K || ldy < N) return KVQ_EBADSHAPE;
+    if (ldw < K / QK_K * bb) return KVQ_EROWBYTES;
+    if (M == 0 || N == 0) return KVQ_OK;
+    const int64_t nb = K / 32;
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    if (!xq || !dx || !sx) {
+        free(xq), free(dx), free(sx);
+        return KVQ_ENOMEM;
+    }
+    kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
+    const struct kq_job j = {xq, dx, sx, bias, w, y, M, K, N, ldw, ldy, qt};
+    int nt = nthreads > 0 ? nthreads : kvq_max_threads();
+    const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + KG - 1) / KG;
+    if ((int64_t)nt > work / KQ_MIN_BYTES_PER_THREAD) nt = (int)(work / KQ_MIN_BYTES_PER_THREAD);
+    if (nt > groups) nt = (int)groups;
+    if (nt < 1) nt = 1;
+    int rc = KVQ_OK;
+    if (nt == 1) {
+        rc = kq_run(&j, 0, N);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            int tid = 0, nth = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const int64_t e = groups * (tid + 1) / nth * KG;
+            const int r = kq_run(&j, groups * tid / nth * KG, e < N ? e : N); /* whole groups each */
+            if (r) {
+#pragma omp atomic write
+                rc = r;
+            }
+        }
+    }
+    free(xq), free(dx), free(sx);
+    return rc;
+}
+
+/* Rows ids[0..n) as float32 (ids checked by the caller): the same floats as the gguf package's dequantization,
+ * (d * sc_j) * q - dmin * m_j (a multiply, then a subtract) or (d * sc_j) * (q - 32). */
+int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out) {
+    const int bb = kq_block_bytes(qt);
+    if (!bb) return KVQ_EBADTYPE;
+    if (K % QK_K) return KVQ_EBADSHAPE;
+    if (ldw < K / QK_K * bb) return KVQ_EROWBYTES;
+    int16_t q[QK_K];
+    float ds[16], dm[8];
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t s = 0; s < K / QK_K; s++) {
+            kq_unpack(w + ids[r] * ldw + s * bb, qt, q, ds, dm);
+            float *yb = out + r * K + s * QK_K;
+            if (qt == QT_Q6_K)
+                for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 16] * (float)q[i];
+            else
+                for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 32] * (float)q[i] - dm[i / 32];
+        }
+    return KVQ_OK;
+}

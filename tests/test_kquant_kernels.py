@@ -1,0 +1,137 @@
+"""The K-quant kernels (kquants.c: Q4_K, Q5_K, Q6_K super-blocks read as stored): against the gguf package's
+dequantization, bit for bit across levels, threads and batch rows, and the embedding gather."""
+from __future__ import annotations
+
+import gguf  # a hard dependency: if missing, these tests must fail, not skip
+import numpy as np
+import pytest
+import torch
+
+import kvinfer.kernels as kernels
+from kvinfer.layers.quant_linear import QuantLinear
+
+KTYPES = ("Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
+TOL = 2e-5
+# Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/test_matmul_kernel.py).
+TOL_I16 = 2e-4
+
+
+def _f16(v: float) -> np.ndarray:
+    return np.frombuffer(np.float16(v).tobytes(), np.uint8)
+
+
+def make_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random super-blocks (gguf cannot quantise K-quants): random quants and packed scales, small fp16 d / dmin."""
+    rng = np.random.default_rng(seed)
+    bb, nsb = BLOCK_BYTES[qtype], k // 256
+    raw = rng.integers(0, 256, (n, nsb, bb), dtype=np.uint8)
+    d = rng.uniform(0.002, 0.02, (n, nsb)).astype(np.float16)
+    if qtype == "Q6_K":
+        raw[:, :, 208:210] = d.view(np.uint8).reshape(n, nsb, 2)
+    else:
+        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
+        raw[:, :, 0:2] = d.view(np.uint8).reshape(n, nsb, 2)
+        raw[:, :, 2:4] = dmin.view(np.uint8).reshape(n, nsb, 2)
+    return np.ascontiguousarray(raw.reshape(n, nsb * bb))
+
+
+def deq(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).copy())
+
+
+def reference_i16(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
+    """x . w in float64 with x rounded per 32-block as the kernel rounds it; Q4_K / Q5_K's minimum meets the exact x
+    (a block's sum): -dmin * m_j is what the gguf package dequantizes from a block whose quants are all zero."""
+    xb = x.double().reshape(x.shape[0], k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True).float()
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    xr = (torch.round((xb.float() * inv).double()) * (amax / 32767.0).double()).reshape(x.shape)
+    y = xr @ deq(raw, qtype, n, k).double().T
+    if qtype != "Q6_K":
+        zero = raw.reshape(n, k // 256, BLOCK_BYTES[qtype]).copy()
+        zero[:, :, 16:] = 0  # qh (Q5_K) and qs
+        y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
+    return y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _levels_here():
+    return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+
+
+@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("n, k, m", [(1, 256, 1), (37, 512, 5), (64, 1024, 3)])
+def test_matches_the_gguf_dequantization(qtype, n, k, m):
+    raw = make_raw(qtype, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = kernels.matmul(x, torch.from_numpy(raw), qtype)
+    assert rel_err(y, reference_i16(x, raw, qtype, n, k)) < TOL
+    assert rel_err(y, x.double() @ deq(raw, qtype, n, k).double().T) < TOL_I16
+    bias = torch.randn(n)
+    assert torch.equal(kernels.matmul(x, torch.from_numpy(raw), qtype, bias=bias), y + bias)
+
+
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_every_level_batch_and_thread_count_gives_a_row_the_same_bits(qtype):
+    n, k = 45, 768  # a tail group of 5 columns; 3 super-blocks
+    raw = torch.from_numpy(make_raw(qtype, n, k, seed=3))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
+    x[7] = 0.0  # an all-zero row (dx = 0)
+    libs = [kernels.library(lv) for lv in _levels_here()]
+    assert len(libs) >= 2  # generic and avx2 at least
+    alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), raw, qtype) for i in range(19)])
+    for lib in libs:
+        for m in (1, 2, 8, 9, 19):
+            for nt in (1, 2, 3):
+                assert torch.equal(lib.matmul(x[:m], raw, qtype, num_threads=nt), alone[:m]), (lib.level, m, nt)
+
+
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_embedding_rows_are_the_gguf_floats(qtype):
+    n, k = 11, 512
+    raw = make_raw(qtype, n, k, seed=5)
+    ids = torch.tensor([[3, 0], [10, 3]])
+    want = deq(raw, qtype, n, k)[ids]
+    for lv in _levels_here():
+        assert torch.equal(kernels.library(lv).embed_rows(torch.from_numpy(raw), qtype, ids, k), want), lv
+    with pytest.raises(ValueError):
+        kernels.embed_rows(torch.from_numpy(raw), qtype, torch.tensor([11]), k)
+
+
+def test_bad_shapes_are_refused():
+    raw = torch.from_numpy(make_raw("Q4_K", 4, 512))
+    with pytest.raises(ValueError):
+        kernels.matmul(torch.randn(1, 480), raw[:, :144 * 2], "Q4_K")  # K not a whole number of super-blocks
+    with pytest.raises(ValueError):
+        kernels.matmul(torch.randn(1, 512), raw[:, :144], "Q4_K")  # rows too short for K
+
+
+def test_quant_linear_keeps_k_quants_quantized():
+    n, k = 24, 512
+    raw = make_raw("Q6_K", n, k, seed=9)
+    lin = QuantLinear(torch.from_numpy(raw), "Q6_K", (n, k))
+    x = torch.randn(3, k)
+    assert lin.raw.dtype == torch.uint8
+    assert torch.equal(lin(x), kernels.matmul(x, torch.from_numpy(raw), "Q6_K"))
+
+
+def test_a_mixed_type_projection_keeps_each_part_quantized():
+    # Q4_K_M: q/k in Q4_K, v in Q6_K (the loader's quantize_from_gguf builds QuantParts for such a layer)
+    from kvinfer.layers.quant_linear import QuantParts
+    k = 512
+    specs = [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16)]
+    raws = [make_raw(qt, n, k, seed=20 + i) for i, (qt, n) in enumerate(specs)]
+    layer = QuantParts([QuantLinear(torch.from_numpy(r), qt, (n, k)) for r, (qt, n) in zip(raws, specs)])
+    assert layer.out_features == 64 and all(p.raw.dtype == torch.uint8 for p in layer.parts)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(21))
+    y = layer(x)
+    want = torch.cat([kernels.matmul(x, torch.from_numpy(r), qt) for r, (qt, n) in zip(raws, specs)], dim=1)
+    assert torch.equal(y, want)
+    ref = x.double() @ torch.cat([deq(r, qt, n, k) for r, (qt, n) in zip(raws, specs)]).double().T
+    assert rel_err(y, ref) < TOL_I16
+    assert torch.equal(layer(x[2:3].clone()), y[2:3])  # a row alone: the same bits
