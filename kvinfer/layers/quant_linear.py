@@ -205,6 +205,26 @@ class QuantLinear(nn.Module):
                 raise RuntimeError("the prompt route has no kept tile copy of this weight")
 
 
+class QuantParts(nn.Module):
+    """A fused projection whose parts differ in quant type (q/k/v or gate/up of one layer in Q4_K and Q6_K, as
+    Q4_K_M files have them): each part a QuantLinear on its own blocks, the outputs side by side. A row's result is
+    each part's row result, so the exactness of QuantLinear carries over."""
+
+    def __init__(self, parts: Sequence[QuantLinear]):
+        super().__init__()
+        if any(p.in_features != parts[0].in_features for p in parts):
+            raise ValueError("QuantParts needs parts of one input size")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def extra_repr(self) -> str:
+        return f"qtypes={[p.qtype for p in self.parts]}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Rows `ids` of a GGML matrix (uint8 [vocab, row_bytes]) as float32 [*ids.shape, dim], decoding only them.
 

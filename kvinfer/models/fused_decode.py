@@ -40,7 +40,7 @@ def unsupported_reason(model, backend) -> Optional[str]:
         lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         for lin in lins:
             if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
-                return "a projection that is not a bias-free Q4_0/Q4_1/Q8_0 QuantLinear"
+                return "a projection that is not a bias-free QuantLinear of one kernel type"
             if not lin.raw.is_contiguous():
                 return "non-contiguous quantised weights"
         for norm in (layer.input_norm, layer.post_attn_norm):

@@ -6,7 +6,7 @@ import logging
 from torch import nn
 
 from kvinfer import kernels
-from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear
+from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear, QuantParts
 
 log = logging.getLogger("kvinfer")
 
@@ -43,12 +43,20 @@ def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
             if not all(n in raw for n in names):
                 continue
             types = {raw[n][1] for n in names}
-            if len(types) != 1 or types.pop() not in ok_types:
+            if not types <= ok_types or (len(types) > 1 and keep_float):
                 continue
             holder_name, attr = ours.split(".")
             holder = getattr(layer, holder_name)
             old: nn.Linear = getattr(holder, attr)
-            q = QuantLinear.concat([QuantLinear.from_raw(*raw[n]) for n in names])
+            parts = [QuantLinear.from_raw(*raw[n]) for n in names]
+            if len(types) > 1:  # mixed types (Q4_K_M): one QuantLinear per part
+                if old.bias is not None:
+                    for p, b in zip(parts, old.bias.detach().float().split([p.out_features for p in parts])):
+                        p.bias = b.contiguous()
+                _swap(holder, attr, QuantParts(parts))
+                swapped += 1
+                continue
+            q = QuantLinear.concat(parts)
             if old.bias is not None:
                 q.bias = old.bias.detach().float().contiguous()
             if keep_float:
