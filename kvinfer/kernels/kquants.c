@@ -18,6 +18,7 @@
 #include "simd.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -77,21 +78,56 @@ static inline __attribute__((always_inline)) void kq_unpack_q(const uint8_t *blk
         }
 }
 
-/* kq_unpack's scales only. */
-static inline __attribute__((always_inline)) void kq_unpack_s(const uint8_t *blk, const int qt, float *ds, float *dm) {
-    if (qt == QT_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = kvq_half(kvq_rd16(blk + 208));
-        for (int j = 0; j < 16; j++) ds[j] = d * (float)sc[j];
-        return;
-    }
-    const float d = kvq_half(kvq_rd16(blk)), dmin = kvq_half(kvq_rd16(blk + 2));
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        kq_scale_min(blk + 4, j, &sc, &m);
-        ds[j] = d * (float)sc, dm[j] = dmin * (float)m;
+/* Lane t of column u's vector c[u] to out[t][u] (an 8 x 8 transpose: moves only). */
+static inline void tr8(const __m256 *c, float out[][KG]) {
+    __m256 t[8], v[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(c[i], c[i + 1]), t[i + 1] = _mm256_unpackhi_ps(c[i], c[i + 1]);
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            v[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+            v[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
+        }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+        _mm256_storeu_ps(out[i + 4], _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
     }
 }
+
+static inline __m256 f8_of_u8(uint64_t b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)b))); }
+static inline __m256 f8_of_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* The scales of 8 columns' super-blocks (rows[u] + off), t-major: ds[t][u] = d * sc_t, dm[t][u] = dmin * m_t, the
+ * same exact products as kq_unpack. Q4_K / Q5_K's 12 bytes unpack with whole-word masks: bytes 0-7 of the result
+ * are sc_0..7, bytes 8-15 m_0..7. */
+static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *const *rows, int64_t off, const int qt,
+                                                             float ds[][KG], float dm[][KG]) {
+    __m256 c[KG], e[KG];
+    if (qt == QT_Q6_K) {
+        for (int u = 0; u < KG; u++) {
+            const uint8_t *b = rows[u] + off;
+            c[u] = _mm256_mul_ps(_mm256_set1_ps(kvq_half(kvq_rd16(b + 208))), f8_of_i8((const int8_t *)b + 192));
+            e[u] = _mm256_mul_ps(_mm256_set1_ps(kvq_half(kvq_rd16(b + 208))), f8_of_i8((const int8_t *)b + 200));
+        }
+        tr8(c, ds);
+        tr8(e, ds + 8);
+        return;
+    }
+    for (int u = 0; u < KG; u++) {
+        const uint8_t *b = rows[u] + off;
+        uint32_t w[3];
+        memcpy(w, b + 4, 12);
+        const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+        const uint64_t sc = (uint64_t)(w[0] & k1) | (uint64_t)((w[2] & k2) | (((w[0] >> 6) & k3) << 4)) << 32;
+        const uint64_t mn = (uint64_t)(w[1] & k1) | (uint64_t)(((w[2] >> 4) & k2) | (((w[1] >> 6) & k3) << 4)) << 32;
+        c[u] = _mm256_mul_ps(_mm256_set1_ps(kvq_half(kvq_rd16(b))), f8_of_u8(sc));
+        e[u] = _mm256_mul_ps(_mm256_set1_ps(kvq_half(kvq_rd16(b + 2))), f8_of_u8(mn));
+    }
+    tr8(c, ds);
+    tr8(e, dm);
+}
+
 #endif
 
 /* One super-block: q[256] the quants as int16 (Q6_K: minus 32), ds[j] = d * sc_j, dm[j] = dmin * m_j (exact). */
@@ -148,18 +184,19 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int u = 0; u < KG; u++) rows[u] = j->w + (n + (u < g ? u : g - 1)) * j->ldw;
         for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
         for (int64_t s = 0; s < nsb; s++) {
-            float ds[16][KG], dm[8][KG], dsu[16], dmu[8];
-            for (int u = 0; u < KG; u++) {
+            float ds[16][KG], dm[8][KG];
 #if KVQ_LEVEL >= 1
-                kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
-                kq_unpack_s(rows[u] + s * bb, qt, dsu, dmu);
+            for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
+            kq_scales8(rows, s * bb, qt, ds, dm);
 #else
+            for (int u = 0; u < KG; u++) {
+                float dsu[16], dmu[8];
                 kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
-#endif
                 for (int t = 0; t < nsub; t++) ds[t][u] = dsu[t];
                 if (qt != QT_Q6_K)
                     for (int t = 0; t < 8; t++) dm[t][u] = dmu[t];
             }
+#endif
             for (int64_t r = 0; r < M; r++) {
                 const int16_t *xr = j->xq + r * j->K + s * QK_K;
                 const float *dxr = j->dx + r * nb + s * 8, *sxr = j->sx + r * nb + s * 8;
