@@ -135,3 +135,31 @@ def test_a_mixed_type_projection_keeps_each_part_quantized():
     ref = x.double() @ torch.cat([deq(r, qt, n, k) for r, (qt, n) in zip(raws, specs)]).double().T
     assert rel_err(y, ref) < TOL_I16
     assert torch.equal(layer(x[2:3].clone()), y[2:3])  # a row alone: the same bits
+
+
+def test_quantize_from_gguf_keeps_a_mixed_layer_in_parts():
+    # One Llama layer as a Q4_K_M file types it: q/k Q4_K with v Q6_K, gate Q4_K with up Q6_K, o and down Q4_K.
+    from kvinfer.config import ModelConfig
+    from kvinfer.layers.quant_linear import QuantParts
+    from kvinfer.loaders.model_loader import build_model
+    from kvinfer.models.quantize import quantize_from_gguf
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=32)
+    model = build_model(cfg, 32, torch.float32, torch.device("cpu")).eval()
+    p = "model.layers.0."
+    specs = {"self_attn.q_proj": ("Q4_K", 256, 256), "self_attn.k_proj": ("Q4_K", 128, 256),
+             "self_attn.v_proj": ("Q6_K", 128, 256), "self_attn.o_proj": ("Q4_K", 256, 256),
+             "mlp.gate_proj": ("Q4_K", 512, 256), "mlp.up_proj": ("Q6_K", 512, 256),
+             "mlp.down_proj": ("Q4_K", 256, 512)}
+    raw = {f"{p}{name}.weight": (torch.from_numpy(make_raw(qt, n, k, seed=i)), qt, (n, k))
+           for i, (name, (qt, n, k)) in enumerate(specs.items())}
+    assert quantize_from_gguf(model, raw) == 4
+    layer = model.layers[0]
+    assert isinstance(layer.attn.qkv, QuantParts) and isinstance(layer.mlp.gate_up, QuantParts)
+    assert [q.qtype for q in layer.attn.qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert isinstance(layer.attn.o, QuantLinear) and layer.attn.o.qtype == "Q4_K"
+    x = torch.randn(3, 256)
+    want = torch.cat([kernels.matmul(x, raw[f"{p}mlp.{n}.weight"][0], q) for n, q in (("gate_proj", "Q4_K"),
+                                                                                     ("up_proj", "Q6_K"))], 1)
+    assert torch.equal(layer.mlp.gate_up(x), want)
