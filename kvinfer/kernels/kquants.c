@@ -176,7 +176,7 @@ struct kq_job {
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
 static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j, int64_t n0, int64_t n1,
                                                            float *acc, int16_t *q, const int qt) {
-    const int bb = kq_block_bytes(qt), nsub = qt == QT_Q6_K ? 16 : 8;
+    const int bb = kq_block_bytes(qt);
     const int64_t nsb = j->K / QK_K, nb = j->K / 32, M = j->M;
     for (int64_t n = n0; n < n1; n += KG) {
         const int g = n1 - n < KG ? (int)(n1 - n) : KG;
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
             for (int u = 0; u < KG; u++) {
                 float dsu[16], dmu[8];
                 kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
-                for (int t = 0; t < nsub; t++) ds[t][u] = dsu[t];
+                for (int t = 0; t < (qt == QT_Q6_K ? 16 : 8); t++) ds[t][u] = dsu[t];
                 if (qt != QT_Q6_K)
                     for (int t = 0; t < 8; t++) dm[t][u] = dmu[t];
             }
