@@ -1,6 +1,7 @@
 """GGUF files: our own parser, metadata -> ModelConfig, and dequantised tensors under Hugging Face names."""
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import re
@@ -15,6 +16,8 @@ import torch
 from kvinfer.config import ModelConfig, model_config_from_hf
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
+
+log = logging.getLogger("kvinfer")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _MAGIC = b"GGUF"
@@ -410,6 +413,49 @@ def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
 _FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
 
 
+# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer only
+# when all its parts share one type, so the parts are kept quantized (lazy) together or widened together.
+_FUSED_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _fusion_group(hf_name: str) -> str:
+    m = re.match(r"(model\.layers\.\d+\.\w+\.)(\w+)\.weight$", hf_name)
+    if not m or m.group(2) not in _FUSED_GROUP:
+        return hf_name
+    return m.group(1) + _FUSED_GROUP[m.group(2)]
+
+
+def _lazy_names(names: dict[str, str], infos: dict[str, "_TensorInfo"], lazy_types: frozenset) -> set[str]:
+    """HF names of the matrices left quantized: 2-D, of a type in lazy_types, and every part of their fused
+    group of that same type (a mixed group, e.g. Q5_0 q/k with a Q8_0 v in a Q4_K_M file, is widened whole)."""
+    group_types: dict[str, set[str]] = {}
+    for gname, hf in names.items():
+        group_types.setdefault(_fusion_group(hf), set()).add(type_name(infos[gname].type_id))
+    out = set()
+    for gname, hf in names.items():
+        types = group_types[_fusion_group(hf)]
+        if len(infos[gname].shape) == 2 and len(types) == 1 and next(iter(types)) in lazy_types:
+            out.add(hf)
+    return out
+
+
+def _widening_note(path: Path, widened: list[tuple[str, str, tuple, int]]) -> str:
+    """One line: which matrices are widened to float32 (by type, and by kind of tensor) and what that costs."""
+    by_type: dict[str, int] = {}
+    by_kind: dict[str, int] = {}
+    f32 = nbytes = 0
+    for gname, tname, shape, n in widened:
+        by_type[tname] = by_type.get(tname, 0) + 1
+        kind = re.sub(r"^blk\.\d+\.", "", gname)
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+        f32 += math.prod(shape) * 4
+        nbytes += n
+    types = ", ".join(f"{t} x{c}" for t, c in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    kinds = ", ".join(f"{k} x{c}" for k, c in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    return (f"GGUF file {path}: {len(widened)} matrices widened to float32, the kernels do not take them "
+            f"({types}; {kinds}): {f32 / 2**20:.1f} MiB of float32 for {nbytes / 2**20:.1f} MiB in the file")
+
+
 def _fusion_order(hf_name: str) -> tuple:
     m = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.(weight|bias)$", hf_name)
     if not m:
@@ -461,6 +507,8 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
         by_type: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
         lazy: dict[str, torch.Tensor] = {}
+        lazy_names = _lazy_names(names, infos, lazy_types) if keep_raw else set()
+        widened = []
         for gname, hf in names.items():
             info = infos[gname]
             data = f.tensor_bytes(info)
@@ -475,14 +523,18 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
                 data = data.reshape(info.shape[0], -1)[order].reshape(-1)
             tname = type_name(info.type_id)
             types[hf] = tname
-            if keep_raw and tname in lazy_types and len(info.shape) == 2:
+            if hf in lazy_names:
                 lazy[hf] = torch.empty(tuple(info.shape), device="meta")
             else:
+                if lazy_types and len(info.shape) == 2 and tname != "F32":
+                    widened.append((gname, tname, info.shape, data.nbytes))
                 by_type.setdefault(tname, []).append((hf, info.shape, data))
             if keep_raw:
                 raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
             del data  # so close() below can release the mapping when nothing else views it
 
+        if widened:
+            log.warning("%s", _widening_note(f.path, widened))
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = dict(lazy)
