@@ -19,7 +19,7 @@ from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for
 
 log = logging.getLogger("kvinfer")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -47,12 +47,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head RMSNorm on q and k
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 _INT_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
              "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length")
-# llama.cpp's converter permutes q/k rows only for these architectures (qwen2 keeps HF's layout).
+# llama.cpp's converter permutes q/k rows only for these architectures (qwen2/qwen3 keep HF's layout).
 _PERMUTED_ARCHS = ("llama",)
 
 
@@ -474,7 +476,7 @@ def _architecture(f: _File) -> str:
 
 
 def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset()) -> GGUFCheckpoint:
-    """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
+    """Parse a llama/qwen2/qwen3 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
 
     Matrices of a type in lazy_types (with keep_raw) are not dequantized: their tensors are shape-only
     placeholders on the meta device, for a caller that swaps them for layers over the raw blocks."""
