@@ -76,7 +76,8 @@ def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
         out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (heads * hd, h)),
                 (b + "attn_k.weight", (kv * hd, h)), (b + "attn_v.weight", (kv * hd, h))]
         if bias:
-            out += [(b + "attn_q.bias", (heads * hd,)), (b + "attn_k.bias", (kv * hd,)), (b + "attn_v.bias", (kv * hd,))]
+            out += [(b + "attn_q.bias", (heads * hd,)), (b + "attn_k.bias", (kv * hd,)),
+                    (b + "attn_v.bias", (kv * hd,))]
         if arch == "qwen3":
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
         out += [(b + "attn_output.weight", (h, heads * hd)), (b + "ffn_norm.weight", (h,)),

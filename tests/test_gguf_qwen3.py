@@ -23,7 +23,8 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im
 
 
 def _make_gguf_module():
-    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
+    script = Path(__file__).resolve().parents[1] / "scripts/make_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_gguf", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

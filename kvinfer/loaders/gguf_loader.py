@@ -16,6 +16,7 @@ import torch
 from kvinfer.config import ModelConfig, model_config_from_hf
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
+from kvinfer.loaders.gguf_plan import lazy_names, widening_note
 
 log = logging.getLogger("kvinfer")
 
@@ -216,6 +217,7 @@ class _File:
 
     def __init__(self, path: Union[str, Path], with_tensors: bool):
         self.path = Path(path)
+        self._fh = None
         try:
             with open(self.path, "rb") as f:
                 size = f.seek(0, 2)
@@ -265,7 +267,8 @@ class _File:
         st = self.path.stat()
         return (str(self.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
 
-    def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
+    def _span(self, info: _TensorInfo) -> tuple[int, int]:
+        """(start, bytes) of a tensor's data, checked against the file's size."""
         try:
             n = nbytes_for(info.type_id, info.shape)
         except ModelLoadError as e:
@@ -276,9 +279,46 @@ class _File:
                 f"GGUF file {self.path} is truncated: tensor {info.name} ends at byte {start + n}, "
                 f"the file has {len(self.mm)}"
             )
+        return start, n
+
+    def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
+        """A view of the tensor's bytes in the mapping (pages touched stay resident while it lives)."""
+        start, n = self._span(info)
         return np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)
 
+    def read_tensor(self, info: _TensorInfo, order: Optional[np.ndarray] = None,
+                    out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The tensor's bytes read into `out` (or a new array) with plain reads, rows put in `order` if given.
+
+        Read rather than viewed in the mapping: the process then holds each byte once, in memory it owns, and
+        the page cache (not counted against it) holds the file."""
+        start, n = self._span(info)
+        if out is None:
+            out = np.empty(n, dtype=np.uint8)
+        if self._fh is None:
+            try:
+                self._fh = open(self.path, "rb", buffering=0)
+            except OSError as e:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: {e.strerror or e}") from None
+        view = memoryview(out).cast("B")
+        self._fh.seek(start)
+        done = 0
+        while done < n:  # one read returns at most ~2 GiB on Linux
+            got = self._fh.readinto(view[done:])
+            if not got:
+                raise ModelLoadError(f"GGUF file {self.path} is truncated: tensor {info.name} could not be read "
+                                     f"past byte {start + done}")
+            done += got
+        if order is not None:
+            # Rows are independent runs of whole blocks, so reordering the bytes reorders the rows.
+            rows = out.reshape(info.shape[0], -1)
+            rows[:] = rows[order]
+        return out
+
     def close(self) -> None:
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+            self._fh = None
         try:
             self.mm.close()
         except (BufferError, AttributeError):
@@ -415,49 +455,6 @@ def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
 _FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
 
 
-# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer only
-# when all its parts share one type, so the parts are kept quantized (lazy) together or widened together.
-_FUSED_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-
-
-def _fusion_group(hf_name: str) -> str:
-    m = re.match(r"(model\.layers\.\d+\.\w+\.)(\w+)\.weight$", hf_name)
-    if not m or m.group(2) not in _FUSED_GROUP:
-        return hf_name
-    return m.group(1) + _FUSED_GROUP[m.group(2)]
-
-
-def _lazy_names(names: dict[str, str], infos: dict[str, "_TensorInfo"], lazy_types: frozenset) -> set[str]:
-    """HF names of the matrices left quantized: 2-D, of a type in lazy_types, and every part of their fused
-    group of that same type (a mixed group, e.g. Q5_0 q/k with a Q8_0 v in a Q4_K_M file, is widened whole)."""
-    group_types: dict[str, set[str]] = {}
-    for gname, hf in names.items():
-        group_types.setdefault(_fusion_group(hf), set()).add(type_name(infos[gname].type_id))
-    out = set()
-    for gname, hf in names.items():
-        types = group_types[_fusion_group(hf)]
-        if len(infos[gname].shape) == 2 and len(types) == 1 and next(iter(types)) in lazy_types:
-            out.add(hf)
-    return out
-
-
-def _widening_note(path: Path, widened: list[tuple[str, str, tuple, int]]) -> str:
-    """One line: which matrices are widened to float32 (by type, and by kind of tensor) and what that costs."""
-    by_type: dict[str, int] = {}
-    by_kind: dict[str, int] = {}
-    f32 = nbytes = 0
-    for gname, tname, shape, n in widened:
-        by_type[tname] = by_type.get(tname, 0) + 1
-        kind = re.sub(r"^blk\.\d+\.", "", gname)
-        by_kind[kind] = by_kind.get(kind, 0) + 1
-        f32 += math.prod(shape) * 4
-        nbytes += n
-    types = ", ".join(f"{t} x{c}" for t, c in sorted(by_type.items(), key=lambda kv: -kv[1]))
-    kinds = ", ".join(f"{k} x{c}" for k, c in sorted(by_kind.items(), key=lambda kv: -kv[1]))
-    return (f"GGUF file {path}: {len(widened)} matrices widened to float32, the kernels do not take them "
-            f"({types}; {kinds}): {f32 / 2**20:.1f} MiB of float32 for {nbytes / 2**20:.1f} MiB in the file")
-
-
 def _fusion_order(hf_name: str) -> tuple:
     m = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.(weight|bias)$", hf_name)
     if not m:
@@ -507,43 +504,55 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         permuted = arch in _PERMUTED_ARCHS
         types: dict[str, str] = {}
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
-        by_type: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        # type -> [(hf name, shape, bytes already read, or (info, row order) to read into the type's buffer)]
+        by_type: dict[str, list[tuple[str, tuple, Any]]] = {}
         lazy: dict[str, torch.Tensor] = {}
-        lazy_names = _lazy_names(names, infos, lazy_types) if keep_raw else set()
+        shapes_types = {n: (i.shape, i.type_id) for n, i in infos.items()}
+        lazy_set = lazy_names(names, shapes_types, lazy_types) if keep_raw else set()
+        # Without lazy types the caller may want any tensor's blocks (it keeps float copies too); with them, only
+        # the lazy matrices' blocks are kept and every other tensor's bytes are dropped once widened.
+        raw_all = keep_raw and not lazy_types
         widened = []
         for gname, hf in names.items():
             info = infos[gname]
-            data = f.tensor_bytes(info)
             n_head = None
             if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
                 n_head = config.num_heads
             elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 n_head = config.num_kv_heads
-            if n_head is not None:
-                # Rows are independent runs of whole blocks, so reordering the bytes reorders the rows.
-                order = _unpermute_rows(n_head, info.shape[0]).numpy()
-                data = data.reshape(info.shape[0], -1)[order].reshape(-1)
+            order = _unpermute_rows(n_head, info.shape[0]).numpy() if n_head is not None else None
             tname = type_name(info.type_id)
             types[hf] = tname
-            if hf in lazy_names:
-                lazy[hf] = torch.empty(tuple(info.shape), device="meta")
+            if hf in lazy_set or raw_all:
+                data = f.read_tensor(info, order)
+                raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
+                if hf in lazy_set:
+                    lazy[hf] = torch.empty(tuple(info.shape), device="meta")
+                else:
+                    by_type.setdefault(tname, []).append((hf, info.shape, data))
             else:
                 if lazy_types and len(info.shape) == 2 and tname != "F32":
-                    widened.append((gname, tname, info.shape, data.nbytes))
-                by_type.setdefault(tname, []).append((hf, info.shape, data))
-            if keep_raw:
-                raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
-            del data  # so close() below can release the mapping when nothing else views it
+                    widened.append((gname, tname, info.shape, f._span(info)[1]))
+                by_type.setdefault(tname, []).append((hf, info.shape, (info, order)))
 
         if widened:
-            log.warning("%s", _widening_note(f.path, widened))
+            log.warning("%s", widening_note(f.path, widened))
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = dict(lazy)
-        for tname, items in by_type.items():
+        for tname in list(by_type):
+            items = by_type.pop(tname)
             # q, k, v and gate, up side by side: the decoder fuses them, and adjacent pieces fuse as a view.
             items.sort(key=lambda it: _fusion_order(it[0]))
-            flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
+            if isinstance(items[0][2], np.ndarray):
+                flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
+            else:  # read each tensor straight into its place in one buffer
+                spans = [f._span(info)[1] for _, _, (info, _) in items]
+                flat = np.empty(sum(spans), dtype=np.uint8)
+                at = 0
+                for (_, _, (info, order)), n in zip(items, spans):
+                    f.read_tensor(info, order, out=flat[at:at + n])
+                    at += n
             sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in items]
             out = dequantize(flat, tname, (sum(sizes),))
             del flat
