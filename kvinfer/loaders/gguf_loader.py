@@ -16,7 +16,7 @@ import torch
 from kvinfer.config import ModelConfig, model_config_from_hf
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
-from kvinfer.loaders.gguf_plan import lazy_names, widening_note
+from kvinfer.loaders.gguf_plan import expected_shape, lazy_names, widening_note
 
 log = logging.getLogger("kvinfer")
 
@@ -501,6 +501,14 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             names[info.name] = hf
 
         config = model_config_from_hf(_hf_config_dict(f, arch, infos))
+        for gname, hf in names.items():
+            want = expected_shape(hf, config)
+            got = infos[gname].shape
+            if want is not None and tuple(got) != want:
+                raise ModelLoadError(
+                    f"GGUF file {f.path}: tensor {gname} has shape {list(reversed(got))}, the header's metadata "
+                    f"implies {list(reversed(want))} (GGUF order)"
+                )
         permuted = arch in _PERMUTED_ARCHS
         types: dict[str, str] = {}
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}

@@ -50,3 +50,23 @@ def widening_note(path: Path, widened: list[tuple[str, str, tuple, int]]) -> str
     kinds = ", ".join(f"{k} x{c}" for k, c in sorted(by_kind.items(), key=lambda kv: -kv[1]))
     return (f"GGUF file {path}: {len(widened)} matrices widened to float32, the kernels do not take them "
             f"({types}; {kinds}): {f32 / 2**20:.1f} MiB of float32 for {nbytes / 2**20:.1f} MiB in the file")
+
+
+def expected_shape(hf_name: str, cfg) -> tuple[int, ...] | None:
+    """The torch-order shape a tensor must have under the model config (None: not a tensor checked here)."""
+    h, q, kv, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (cfg.vocab_size, h)
+    if hf_name == "model.norm.weight":
+        return (h,)
+    m = re.fullmatch(r"model\.layers\.\d+\.([\w.]+)\.(weight|bias)", hf_name)
+    if not m:
+        return None
+    rows_cols = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h),
+                 "mlp.down_proj": (h, ffn), "input_layernorm": (h,), "post_attention_layernorm": (h,),
+                 "self_attn.q_norm": (cfg.head_dim,), "self_attn.k_norm": (cfg.head_dim,)}.get(m.group(1))
+    if rows_cols is None:
+        return None
+    return rows_cols[:1] if m.group(2) == "bias" else rows_cols
