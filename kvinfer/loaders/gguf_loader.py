@@ -1,6 +1,7 @@
 """GGUF files: our own parser, metadata -> ModelConfig, and dequantised tensors under Hugging Face names."""
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import re
@@ -15,8 +16,11 @@ import torch
 from kvinfer.config import ModelConfig, model_config_from_hf
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
+from kvinfer.loaders.gguf_plan import expected_shape, lazy_names, widening_note
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+log = logging.getLogger("kvinfer")
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -44,12 +48,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head RMSNorm on q and k
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 _INT_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
              "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length")
-# llama.cpp's converter permutes q/k rows only for these architectures (qwen2 keeps HF's layout).
+# llama.cpp's converter permutes q/k rows only for these architectures (qwen2/qwen3 keep HF's layout).
 _PERMUTED_ARCHS = ("llama",)
 
 
@@ -211,6 +217,7 @@ class _File:
 
     def __init__(self, path: Union[str, Path], with_tensors: bool):
         self.path = Path(path)
+        self._fh = None
         try:
             with open(self.path, "rb") as f:
                 size = f.seek(0, 2)
@@ -260,7 +267,8 @@ class _File:
         st = self.path.stat()
         return (str(self.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
 
-    def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
+    def _span(self, info: _TensorInfo) -> tuple[int, int]:
+        """(start, bytes) of a tensor's data, checked against the file's size."""
         try:
             n = nbytes_for(info.type_id, info.shape)
         except ModelLoadError as e:
@@ -271,9 +279,46 @@ class _File:
                 f"GGUF file {self.path} is truncated: tensor {info.name} ends at byte {start + n}, "
                 f"the file has {len(self.mm)}"
             )
+        return start, n
+
+    def tensor_bytes(self, info: _TensorInfo) -> np.ndarray:
+        """A view of the tensor's bytes in the mapping (pages touched stay resident while it lives)."""
+        start, n = self._span(info)
         return np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=start)
 
+    def read_tensor(self, info: _TensorInfo, order: Optional[np.ndarray] = None,
+                    out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The tensor's bytes read into `out` (or a new array) with plain reads, rows put in `order` if given.
+
+        Read rather than viewed in the mapping: the process then holds each byte once, in memory it owns, and
+        the page cache (not counted against it) holds the file."""
+        start, n = self._span(info)
+        if out is None:
+            out = np.empty(n, dtype=np.uint8)
+        if self._fh is None:
+            try:
+                self._fh = open(self.path, "rb", buffering=0)
+            except OSError as e:
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: {e.strerror or e}") from None
+        view = memoryview(out).cast("B")
+        self._fh.seek(start)
+        done = 0
+        while done < n:  # one read returns at most ~2 GiB on Linux
+            got = self._fh.readinto(view[done:])
+            if not got:
+                raise ModelLoadError(f"GGUF file {self.path} is truncated: tensor {info.name} could not be read "
+                                     f"past byte {start + done}")
+            done += got
+        if order is not None:
+            # Rows are independent runs of whole blocks, so reordering the bytes reorders the rows.
+            rows = out.reshape(info.shape[0], -1)
+            rows[:] = rows[order]
+        return out
+
     def close(self) -> None:
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+            self._fh = None
         try:
             self.mm.close()
         except (BufferError, AttributeError):
@@ -428,7 +473,7 @@ def _architecture(f: _File) -> str:
 
 
 def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset()) -> GGUFCheckpoint:
-    """Parse a llama/qwen2 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
+    """Parse a llama/qwen2/qwen3 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
 
     Matrices of a type in lazy_types (with keep_raw) are not dequantized: their tensors are shape-only
     placeholders on the meta device, for a caller that swaps them for layers over the raw blocks."""
@@ -456,40 +501,66 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             names[info.name] = hf
 
         config = model_config_from_hf(_hf_config_dict(f, arch, infos))
+        for gname, hf in names.items():
+            want = expected_shape(hf, config)
+            got = infos[gname].shape
+            if want is not None and tuple(got) != want:
+                raise ModelLoadError(
+                    f"GGUF file {f.path}: tensor {gname} has shape {list(reversed(got))}, the header's metadata "
+                    f"implies {list(reversed(want))} (GGUF order)"
+                )
         permuted = arch in _PERMUTED_ARCHS
         types: dict[str, str] = {}
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
-        by_type: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        # type -> [(hf name, shape, bytes already read, or (info, row order) to read into the type's buffer)]
+        by_type: dict[str, list[tuple[str, tuple, Any]]] = {}
         lazy: dict[str, torch.Tensor] = {}
+        shapes_types = {n: (i.shape, i.type_id) for n, i in infos.items()}
+        lazy_set = lazy_names(names, shapes_types, lazy_types) if keep_raw else set()
+        # Without lazy types the caller may want any tensor's blocks (it keeps float copies too); with them, only
+        # the lazy matrices' blocks are kept and every other tensor's bytes are dropped once widened.
+        raw_all = keep_raw and not lazy_types
+        widened = []
         for gname, hf in names.items():
             info = infos[gname]
-            data = f.tensor_bytes(info)
             n_head = None
             if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
                 n_head = config.num_heads
             elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 n_head = config.num_kv_heads
-            if n_head is not None:
-                # Rows are independent runs of whole blocks, so reordering the bytes reorders the rows.
-                order = _unpermute_rows(n_head, info.shape[0]).numpy()
-                data = data.reshape(info.shape[0], -1)[order].reshape(-1)
+            order = _unpermute_rows(n_head, info.shape[0]).numpy() if n_head is not None else None
             tname = type_name(info.type_id)
             types[hf] = tname
-            if keep_raw and tname in lazy_types and len(info.shape) == 2:
-                lazy[hf] = torch.empty(tuple(info.shape), device="meta")
-            else:
-                by_type.setdefault(tname, []).append((hf, info.shape, data))
-            if keep_raw:
+            if hf in lazy_set or raw_all:
+                data = f.read_tensor(info, order)
                 raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
-            del data  # so close() below can release the mapping when nothing else views it
+                if hf in lazy_set:
+                    lazy[hf] = torch.empty(tuple(info.shape), device="meta")
+                else:
+                    by_type.setdefault(tname, []).append((hf, info.shape, data))
+            else:
+                if lazy_types and len(info.shape) == 2 and tname != "F32":
+                    widened.append((gname, tname, info.shape, f._span(info)[1]))
+                by_type.setdefault(tname, []).append((hf, info.shape, (info, order)))
 
+        if widened:
+            log.warning("%s", widening_note(f.path, widened))
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = dict(lazy)
-        for tname, items in by_type.items():
+        for tname in list(by_type):
+            items = by_type.pop(tname)
             # q, k, v and gate, up side by side: the decoder fuses them, and adjacent pieces fuse as a view.
             items.sort(key=lambda it: _fusion_order(it[0]))
-            flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
+            if isinstance(items[0][2], np.ndarray):
+                flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
+            else:  # read each tensor straight into its place in one buffer
+                spans = [f._span(info)[1] for _, _, (info, _) in items]
+                flat = np.empty(sum(spans), dtype=np.uint8)
+                at = 0
+                for (_, _, (info, order)), n in zip(items, spans):
+                    f.read_tensor(info, order, out=flat[at:at + n])
+                    at += n
             sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in items]
             out = dequantize(flat, tname, (sum(sizes),))
             del flat

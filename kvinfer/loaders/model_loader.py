@@ -173,6 +173,21 @@ def check_source(ecfg: EngineConfig, src: ModelSource) -> None:
         raise ValidationError("tokenizer", ecfg.tokenizer, f"{what} (it must be a directory with tokenizer.json)")
 
 
+def _quantize_by_layer(model: Decoder, raw: dict) -> int:
+    """quantize_from_gguf one layer at a time, dropping each layer's blocks from `raw` as soon as its layers
+    hold them: fused q/k/v and gate/up are copied into one buffer, and the parts would otherwise all live until
+    the end of the load (those bytes twice at the peak)."""
+    from kvinfer.models.quantize import quantize_from_gguf
+
+    swapped = 0
+    for i in range(len(model.layers)):
+        prefix = f"model.layers.{i}."
+        part = {k: raw.pop(k) for k in [k for k in raw if k.startswith(prefix)]}
+        swapped += quantize_from_gguf(model, part)
+        del part
+    return swapped + quantize_from_gguf(model, raw)
+
+
 @gc_paused
 def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
                source: Optional[ModelSource] = None) -> LoadedModel:
@@ -203,7 +218,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         if quant:
             from kvinfer.models.quantize import quantize_from_gguf
 
-            quantized = quantize_from_gguf(model, ckpt.raw)
+            quantized = _quantize_by_layer(model, ckpt.raw)
             if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
                 # A matrix the kernels could not take (mixed types in one fused projection): load it in float.
                 ckpt = read_gguf(src.path, keep_raw=True)
