@@ -35,6 +35,23 @@ FAMS = {
                      # The embeddings are scaled by sqrt(hidden): small ones keep a tied head from repeating.
                      dict(gain=2.0, embed_std=0.05)),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", PHI3, dict(rotary_dim=8, qkv_bias=False, sliding_window=None)),
+    # Top-2 of 8 experts without renormalising (Qwen3-MoE's default), with q/k norms.
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(TINY_LLAMA_LIKE, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=False),
+                        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                             qk_norm=True)),
+    # Softmax, top-2 of 4, renormalised (always, in Mixtral).
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
+                      dict(TINY_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+                      dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                           sliding_window=None)),
+    # A sigmoid-gated shared expert beside top-3 of 6.
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                        dict(TINY_LLAMA_LIKE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, norm_topk_prob=True),
+                        dict(num_experts=6, num_experts_per_tok=3, shared_expert_intermediate_size=48,
+                             qkv_bias=True)),
 }
 
 
@@ -133,7 +150,52 @@ def test_longrope_takes_the_long_factors_past_the_original_length(ref_of):
     torch.testing.assert_close(rot.cos[64], (64 * inv_long).cos() * att)
 
 
+@pytest.mark.parametrize("renormalise", (False, True))
+def test_router_topk_matches_a_float64_reference(renormalise):
+    from kvinfer.layers.moe import route
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 16, generator=g) * 3
+    weights, experts = route(logits, 4, renormalise)
+    p = torch.softmax(logits.double(), dim=-1)
+    want_w, want_e = torch.topk(p, 4, dim=-1)
+    if renormalise:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(experts, want_e)
+    torch.testing.assert_close(weights.double(), want_w, rtol=1e-6, atol=1e-7)
+    assert weights.dtype == torch.float32 and bool((weights[:, :-1] >= weights[:, 1:]).all())
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_expert_grouped_step_equals_rows_one_at_a_time(name, ref_of):
+    """The loaded layer (kernel matmuls, as served): a step of 23 rows, grouped by expert, gives each row the
+    very bits it gets alone, and in any order of the rows."""
+    moe = ref_of(name)[2].model.layers[1].mlp
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        together = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(23)])
+        perm = torch.randperm(23, generator=torch.Generator().manual_seed(6))
+        shuffled = moe(x[perm])
+    assert torch.equal(together, alone)
+    assert torch.equal(shuffled, together[perm])
+    # The step really shared experts among rows (else grouping was never exercised).
+    from kvinfer.layers.moe import route
+    _, experts = route(moe.router(x), moe.top_k, moe.renormalise)
+    assert torch.bincount(experts.flatten()).max() > 3
+
+
+def test_moe_total_and_active_parameters(ref_of):
+    cfg = ref_of("mixtral")[2].config
+    model = ref_of("mixtral")[2].model
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert cfg.num_parameters() - cfg.num_active_parameters() == 2 * 2 * 3 * 64 * 64  # 2 layers, 2 idle experts
+
+
 @pytest.mark.parametrize("d, msg", [
+    (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5"),
+    (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          mlp_only_layers=[0]), "mlp_only_layers"),
     (dict(model_type="phi3", rope_scaling={"type": "yarn", "factor": 2.0}), "rope_scaling type 'yarn'"),
     (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_activation 'relu'"),

@@ -10,12 +10,16 @@ from kvinfer.config import ModelConfig
 from kvinfer.layers.alibi import alibi_slopes
 from kvinfer.layers.attention import Attention, AttentionMetadata
 from kvinfer.layers.mlp import GeluMLP, SwiGLU
+from kvinfer.layers.moe import MoE
 from kvinfer.layers.norm import make_norm
 from kvinfer.layers.rotary import RotaryEmbedding
 from kvinfer.models.families.gemma3 import SandwichLayer
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module:
+    if cfg.num_experts:
+        return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                   cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
     if cfg.mlp == "swiglu":
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
     approx = "tanh" if cfg.activation == "gelu_tanh" else "none"

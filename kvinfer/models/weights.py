@@ -8,7 +8,7 @@ import torch
 
 from kvinfer.config import ModelConfig
 from kvinfer.errors import ModelLoadError
-from kvinfer.models.families import gemma3, phi3
+from kvinfer.models.families import gemma3, moe, phi3
 
 # Llama-style names (Llama, Mistral, Qwen2, Qwen3 and the GGUF loader's output).
 _LLAMA_LAYER = {
@@ -199,6 +199,9 @@ WEIGHT_MAPS: dict[str, Callable[[ModelConfig, Iterable[tuple[str, torch.Tensor]]
     "bloom": map_bloom,
     "gemma3": gemma3.map_gemma3,
     "phi3": phi3.map_phi3,
+    "qwen3_moe": moe.map_moe,
+    "qwen2_moe": moe.map_moe,
+    "mixtral": moe.map_moe,
 }
 
 
