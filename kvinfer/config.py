@@ -489,6 +489,25 @@ PRESETS: dict[str, dict] = {
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        tie_word_embeddings=True, eos_token_id=151645),
+    # Shapes of the released models (RoPE scaling left out: the planner needs shapes only).
+    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       max_position_embeddings=32768, sliding_window=512, sliding_window_pattern=6,
+                       rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+                       bos_token_id=2, eos_token_id=[1, 106]),
+    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                       max_position_embeddings=131072, partial_rotary_factor=0.75, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, bos_token_id=199999, eos_token_id=[199999, 200020]),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                          bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=2),
 }
 
 

@@ -206,3 +206,26 @@ def test_bad_configs_are_one_line_errors(d, msg):
     with pytest.raises((UnsupportedError, ModelLoadError), match=msg) as e:
         model_config_from_hf(base)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset, total, active", [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9),
+                                                   ("gemma-3-1b", 1.0e9, 1.0e9), ("phi-4-mini", 3.8e9, 3.8e9)])
+def test_plan_shows_total_and_active_parameters(preset, total, active):
+    """The released models' published sizes; weight memory is planned for every expert."""
+    from kvinfer.config import preset_config
+    from kvinfer.lab.plan import format_plan, make_plan
+
+    cfg = preset_config(preset)
+    p = make_plan(cfg, 64 << 30, 4096, "bfloat16")
+    assert abs(p["num_parameters"] - total) < 0.06e9 and abs(p["num_active_parameters"] - active) < 0.06e9
+    assert p["weight_bytes"] == p["num_parameters"] * 2
+    assert ("active per token" in format_plan(p)) == (cfg.num_experts > 0)
+
+
+def test_models_lists_every_family(capsys):
+    from kvinfer.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gemma3_text", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "llama", "qwen3"):
+        assert name in out
