@@ -371,7 +371,8 @@ def cmd_models(args) -> int:
         from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES
     except ImportError:  # pragma: no cover
         SUPPORTED_GGUF_TYPES = ()
-    print("Architectures (Hugging Face model_type): " + ", ".join(sorted(FAMILIES)))
+    print("Architectures (Hugging Face model_type): " + ", ".join(sorted(FAMILIES))
+          + " (mixtral, qwen2_moe, qwen3_moe: mixture of experts)")
     print("GGUF architectures: llama, qwen2")
     print("GGUF tensor types: " + ", ".join(SUPPORTED_GGUF_TYPES))
     print("Formats: HF directory (config.json + *.safetensors, sharded or not), GGUF file, dummy (random weights)")

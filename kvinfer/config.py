@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -15,13 +16,16 @@ from kvinfer.utils import parse_size
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (band-wise)."""
+    """RoPE frequency scaling: 'linear' (positions / factor), 'llama3' (band-wise) or 'longrope' (per frequency)."""
 
     type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length
+    long_factor: tuple[float, ...] = ()  # longrope: beyond it
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,19 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: Optional[str] = None  # the dtype the checkpoint was saved in
+    # Families beyond the Llama shape (kvinfer/models/families/): defaults leave the plain decoder.
+    layer_windows: tuple[Optional[int], ...] = ()  # per layer: its sliding window, None for a global layer
+    rope_local_theta: Optional[float] = None  # RoPE base of the windowed layers (Gemma 3), unscaled
+    rotary_dim: Optional[int] = None  # rotate only the first rotary_dim of head_dim (partial rotary)
+    sandwich_norm: bool = False  # norms before and after attention and MLP (Gemma)
+    embed_scale: Optional[float] = None  # embeddings multiplied by this, in the model dtype
+    attn_scale: Optional[float] = None  # softmax scale when not head_dim ** -0.5
+    final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    num_experts: int = 0  # > 0: the MLP is a mixture of experts (kvinfer/layers/moe.py)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen2-MoE)
 
     def __post_init__(self):
         checks = [
@@ -67,10 +84,16 @@ class ModelConfig:
             ("norm", self.norm in ("rms", "layer")),
             ("position", self.position in ("rope", "alibi", "learned")),
             ("mlp", self.mlp in ("swiglu", "gelu")),
+            ("layer_windows", not self.layer_windows or len(self.layer_windows) == self.num_layers),
+            ("rotary_dim", self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)),
+            ("num_experts", self.num_experts >= 0),
         ]
         for name, ok in checks:
             if not ok:
                 raise ModelLoadError(f"model config has an invalid {name}={getattr(self, name)!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"model config has num_experts_per_tok={self.num_experts_per_tok}, needs 1 to "
+                                 f"num_experts={self.num_experts}")
 
     @property
     def q_size(self) -> int:
@@ -89,12 +112,26 @@ class ModelConfig:
         h, i = self.hidden_size, self.intermediate_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         mlp = (3 if self.mlp == "swiglu" else 2) * h * i
-        norms = 2 * h * (2 if self.norm_bias else 1)
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h) + self._shared_expert_params()
+        norms = (4 if self.sandwich_norm else 2) * h * (2 if self.norm_bias else 1)
+        norms += 2 * self.head_dim if self.qk_norm else 0
         per_layer = attn + mlp + norms
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         pos = self.max_position_embeddings * h if self.position == "learned" else 0
         return self.num_layers * per_layer + emb + head + pos + h
+
+    def _shared_expert_params(self) -> int:
+        s = self.shared_expert_intermediate_size
+        return 3 * self.hidden_size * s + self.hidden_size if s else 0
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token reads: every weight but the experts it was not routed to."""
+        if not self.num_experts:
+            return self.num_parameters()
+        unused = self.num_experts - self.num_experts_per_tok
+        return self.num_parameters() - self.num_layers * unused * 3 * self.hidden_size * self.moe_intermediate_size
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -108,21 +145,36 @@ def _eos_tuple(v: Any) -> tuple[int, ...]:
     return (int(v),)
 
 
-def _rope_scaling(d: dict) -> Optional[RopeScaling]:
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
+def _rope_scaling(d: dict, rs: Optional[dict] = None) -> Optional[RopeScaling]:
+    """d's RoPE scaling, or that of rs (one layer type's parameters, Gemma 3)."""
+    if rs is None:
+        rs = d.get("rope_scaling") or d.get("rope_parameters")
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind in ("default", None):
         return None
-    if kind not in ("linear", "llama3"):
-        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
+    if kind not in ("linear", "llama3", "longrope"):
+        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+    original = rs.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or 8192
+    kw = {}
+    if kind == "longrope":
+        # As transformers: the attention factor follows from how far the context was stretched, unless given.
+        factor = rs.get("factor") or d.get("max_position_embeddings", original) / original
+        attention = rs.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        kw = dict(short_factor=tuple(float(x) for x in rs["short_factor"]),
+                  long_factor=tuple(float(x) for x in rs["long_factor"]), attention_factor=float(attention))
     return RopeScaling(
         type=kind,
-        factor=float(rs.get("factor", 1.0)),
+        factor=float(rs.get("factor") or 1.0),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        **kw,
     )
 
 
@@ -139,7 +191,8 @@ def _llama_like(d: dict, arch: str, *, head_dim_default: Optional[int] = None,
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     bias = bool(d.get("attention_bias", False))
-    kw = dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+    kw = dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)), rope_theta=_rope_theta(d),
+              rope_scaling=_rope_scaling(d), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
     kw.update(flags)
     return ModelConfig(
         architecture=arch,
@@ -152,9 +205,6 @@ def _llama_like(d: dict, arch: str, *, head_dim_default: Optional[int] = None,
         head_dim=d.get("head_dim") or head_dim_default or hidden // heads,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(d),
-        rope_scaling=_rope_scaling(d),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         sliding_window=sliding_window,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
@@ -200,6 +250,88 @@ def _from_qwen2(d):
 def _from_qwen3(d):
     return _llama_like(d, "qwen3", head_dim_default=128, sliding_window=_qwen_window(d, "qwen3"), qk_norm=True,
                        mlp_bias=False)
+
+
+def _gemma3_rope(d: dict) -> tuple[float, Optional[RopeScaling], float]:
+    """(global theta, global scaling, local theta): transformers 5 nests them per layer type, 4.x kept them flat."""
+    rp = d.get("rope_parameters") or {}
+    if "full_attention" in rp:
+        glob, local = rp["full_attention"], rp.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedError(f"gemma3 with RoPE scaling {local.get('rope_type')!r} on the sliding layers is not "
+                                   "supported (supported: default)")
+        return float(glob.get("rope_theta", 1e6)), _rope_scaling(d, glob), float(local.get("rope_theta", 1e4))
+    return _rope_theta(dict(d, rope_theta=d.get("rope_theta", 1e6))), _rope_scaling(d), \
+        float(d.get("rope_local_base_freq", 1e4))
+
+
+def _from_gemma3(d):
+    n = d["num_hidden_layers"]
+    pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+    types = d.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                     for i in range(n)]
+    window = d.get("sliding_window")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if _GPT2_ACTIVATIONS.get(act) != "gelu_tanh":
+        raise UnsupportedError(f"gemma3 hidden_activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+    if d.get("attn_logit_softcapping") is not None:
+        raise UnsupportedError("gemma3 with attn_logit_softcapping is not supported (supported: null, as released)")
+    theta, scaling, local_theta = _gemma3_rope(d)
+    cap = d.get("final_logit_softcapping")
+    return _llama_like(d, "gemma3", head_dim_default=256, qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+                       layer_windows=tuple(int(window) if t == "sliding_attention" and window else None
+                                           for t in types),
+                       rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                       embed_scale=float(d["hidden_size"]) ** 0.5,
+                       attn_scale=float(d.get("query_pre_attn_scalar") or 256) ** -0.5,
+                       final_logit_softcap=float(cap) if cap else None,
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", True)))
+
+
+def _from_phi3(d):
+    rp = d.get("rope_parameters") or {}
+    partial = float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    rotary = int(head_dim * partial)
+    window = d.get("sliding_window")
+    # Phi-3's modelling code has no biases and windows every layer when sliding_window is set.
+    return _llama_like(d, "phi3", sliding_window=int(window) if window else None,
+                       rotary_dim=rotary if rotary != head_dim else None, qkv_bias=False, o_bias=False,
+                       mlp_bias=False)
+
+
+def _moe_flags(d: dict, arch: str, experts_key: str, norm_topk: bool, expert_size_key: str) -> dict:
+    if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedError(f"{arch} with dense layers among the expert layers (mlp_only_layers, "
+                               "decoder_sparse_step) is not supported (supported: experts in every layer)")
+    # transformers 5 writes num_local_experts for every family; released Qwen configs say num_experts.
+    experts, k = int(d.get(experts_key) or d["num_local_experts"]), int(d["num_experts_per_tok"])
+    if not 0 < k <= experts:
+        raise UnsupportedError(f"{arch} config has num_experts_per_tok={k}, needs 1 to {experts_key}={experts}")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(d[expert_size_key]),
+                norm_topk_prob=norm_topk, shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size")
+                                                                               or 0))
+
+
+def _from_qwen3_moe(d):
+    return _llama_like(d, "qwen3_moe", head_dim_default=128, sliding_window=_qwen_window(d, "qwen3_moe"),
+                       qk_norm=True, mlp_bias=False,
+                       **_moe_flags(d, "qwen3_moe", "num_experts", bool(d.get("norm_topk_prob", False)),
+                                    "moe_intermediate_size"))
+
+
+def _from_qwen2_moe(d):
+    return _llama_like(d, "qwen2_moe", sliding_window=_qwen_window(d, "qwen2_moe"), qkv_bias=True, o_bias=False,
+                       mlp_bias=False,
+                       **_moe_flags(d, "qwen2_moe", "num_experts", bool(d.get("norm_topk_prob", False)),
+                                    "moe_intermediate_size"))
+
+
+def _from_mixtral(d):
+    # Mixtral always renormalises its top-k weights; the experts are intermediate_size wide.
+    window = d.get("sliding_window")
+    return _llama_like(d, "mixtral", sliding_window=int(window) if window else None, qkv_bias=False, o_bias=False,
+                       mlp_bias=False, **_moe_flags(d, "mixtral", "num_local_experts", True, "intermediate_size"))
 
 
 # GPT-2's activation_function names; "gelu_new" and "gelu_fast" are the tanh approximation written out.
@@ -289,6 +421,11 @@ FAMILIES = {
     "qwen3": _from_qwen3,
     "gpt2": _from_gpt2,
     "bloom": _from_bloom,
+    "gemma3_text": _from_gemma3,
+    "phi3": _from_phi3,
+    "qwen3_moe": _from_qwen3_moe,
+    "qwen2_moe": _from_qwen2_moe,
+    "mixtral": _from_mixtral,
 }
 
 
@@ -352,6 +489,25 @@ PRESETS: dict[str, dict] = {
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        tie_word_embeddings=True, eos_token_id=151645),
+    # Shapes of the released models (RoPE scaling left out: the planner needs shapes only).
+    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       max_position_embeddings=32768, sliding_window=512, sliding_window_pattern=6,
+                       rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+                       bos_token_id=2, eos_token_id=[1, 106]),
+    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                       max_position_embeddings=131072, partial_rotary_factor=0.75, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, bos_token_id=199999, eos_token_id=[199999, 200020]),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                          bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=2),
 }
 
 

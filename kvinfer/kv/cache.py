@@ -124,13 +124,14 @@ class _Backend:
         raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set)."""
+               scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """q [tokens, heads, dim] -> [tokens, heads, dim] through the attention kernel (md.kernel is set); window:
+        the layer's own sliding window, where layers differ (else the backend's)."""
         km = md.kernel
         keys, values, strides, kvh, k_scale, v_scale = self._kernel_kv(layer, k, v)
         return kernels.attention(q, keys, values, km.tables, km.tok_seq, km.tok_pos, num_kv_heads=kvh,
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
-                                 alibi_slopes=self.alibi, sliding_window=self.sliding_window,
+                                 alibi_slopes=self.alibi, sliding_window=window or self.sliding_window,
                                  kv_dtype=self.kv_dtype if self.quantized else "float32",
                                  k_scale=k_scale, v_scale=v_scale, prompt_spans=current_prompt_spans())
 
@@ -144,6 +145,7 @@ class _Backend:
                    + self.k_scale + self.v_scale)
 
     def _mask_group(self, g: AttnGroup, q_pos: torch.Tensor, lens: torch.Tensor, plain_causal: bool) -> AttnGroup:
+        g.q_pos, g.lens = q_pos, lens
         if plain_causal and self.sliding_window is None and self.alibi is None:
             if g.q_len == g.ctx_len:
                 g.is_causal = g.q_len > 1

@@ -206,7 +206,8 @@ def make_plan(cfg: ModelConfig, memory: int, max_model_len: int, dtype: str = "f
         dtype=dtype, dtype_bytes=dbytes, block_size=block_size, tp=tp, memory_bytes=memory,
         kv_cache_dtype=dtype if kv_cache_dtype == "auto" else kv_cache_dtype, kv_dtype_bytes=kv_dbytes,
         kv_value_bytes_per_token=kv_values, kv_scale_bytes_per_token=kv_scales,
-        max_model_len=max_model_len, num_parameters=params,
+        max_model_len=max_model_len, num_parameters=params, num_active_parameters=cfg.num_active_parameters(),
+        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         kv_bytes_per_token=kv_per_token, kv_bytes_per_request=per_request,
         weight_bytes=weight_bytes, kv_budget_bytes=kv_budget, weights_fit=kv_budget > 0,
         workload=dict(spec=workload.spec, description=workload.describe(), mean_tokens=mean_tokens,
@@ -234,7 +235,9 @@ def format_plan(p: dict) -> str:
     c, pg, w = p["contiguous"], p["paged"], p["workload"]
     lines = [
         f"Model      {p['model']}: {p['architecture']}, {p['num_layers']} layers, {p['num_heads']} heads, "
-        f"{p['num_kv_heads']} KV heads x {p['head_dim']} dims, {p['num_parameters'] / 1e9:.2f} B parameters",
+        f"{p['num_kv_heads']} KV heads x {p['head_dim']} dims, {p['num_parameters'] / 1e9:.2f} B parameters"
+        + (f" ({p['num_active_parameters'] / 1e9:.2f} B active per token: {p['num_experts_per_tok']} of "
+           f"{p['num_experts']} experts; memory holds them all)" if p["num_experts"] else ""),
         f"Setting    {p['dtype']} ({p['dtype_bytes']} bytes), KV cache {p['kv_cache_dtype']}, memory "
         f"{gib(p['memory_bytes'])} per device, max_model_len {p['max_model_len']}, block size {p['block_size']}, "
         f"tensor parallel {p['tp']}",

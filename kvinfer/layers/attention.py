@@ -27,6 +27,16 @@ class AttnGroup:
     is_causal: bool = False  # the plain causal case: q_len == ctx_len, no padding, no window, no bias
     gather_idx: Optional[torch.Tensor] = None  # [b, blocks]: the block tables the paged backend gathers
     slot_ids: Optional[torch.Tensor] = None  # [b] rows of a contiguous cache
+    q_pos: Optional[torch.Tensor] = None  # [b, q_len] query positions (what a per-layer window mask is built from)
+    lens: Optional[torch.Tensor] = None  # [b] keys per sequence before padding
+    window_masks: dict = field(default_factory=dict)  # window -> mask, for layers with their own window
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a layer that windows while the model's other layers do not (Gemma 3), built once a step."""
+        if window not in self.window_masks:
+            k_pos = torch.arange(self.ctx_len, device=self.q_pos.device).expand(self.num_seqs, self.ctx_len)
+            self.window_masks[window] = build_mask(self.q_pos, k_pos, k_pos < self.lens[:, None], window, None)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -79,7 +89,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.q_size
         self.kv_size = cfg.kv_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attn_scale or self.head_dim ** -0.5
+        self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None  # this layer's own window
         self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # fused: one GEMM
         self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -98,7 +109,7 @@ class Attention(nn.Module):
             q, k = self.rotary.rotate_(positions, q, k)  # q, k are this layer's own: may rotate in place
         kv.store(self.layer_idx, k, v, md)
         if md.kernel is not None:
-            return self.o(kv.attend(self.layer_idx, q, k, v, md, self.scale).view(n, self.q_size))
+            return self.o(kv.attend(self.layer_idx, q, k, v, md, self.scale, self.window).view(n, self.q_size))
         if len(md.groups) == 1:
             out = self._attend(md.groups[0], q, k, v, kv)
         else:
@@ -108,9 +119,9 @@ class Attention(nn.Module):
     def _attend(self, g: AttnGroup, q, k, v, kv) -> torch.Tensor:
         keys, values = kv.gather(self.layer_idx, g, k, v)  # [b, kv_heads, L, dim]
         qg = q[g.start:g.end].view(g.num_seqs, g.q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        mask = g.mask
+        mask, causal = (g.mask, g.is_causal) if self.window is None else (g.window_mask(self.window), False)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(qg.dtype)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, is_causal=g.is_causal,
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return o.transpose(1, 2).reshape(g.num_seqs * g.q_len, self.q_size)  # [tokens, heads * dim]

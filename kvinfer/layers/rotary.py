@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) with 'linear' and 'llama3' frequency scaling."""
+"""Rotary position embedding (RoPE) with 'linear', 'llama3' and 'longrope' frequency scaling, full or partial."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
     # Explicitly on the CPU: a model built on the meta device would otherwise trace these ops through
     # torch's decompositions (and import torch._dynamo, seconds of start-up).
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    if scaling is None:
+    if scaling is None or scaling.type == "longrope":  # longrope: per position, see _tables_longrope
         return inv_freq
     if scaling.type == "linear":
         return inv_freq / scaling.factor
@@ -32,16 +32,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE in the rotate-half layout (Hugging Face's) to q and k at given positions."""
+    """Applies RoPE in the rotate-half layout (Hugging Face's) to q and k at given positions; with rotary_dim <
+    head_dim only the first rotary_dim of each head turn (partial rotary, Phi)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None, rotary_dim=None):
         super().__init__()
+        self.args = (head_dim, max_positions, theta, scaling, rotary_dim)  # to rebuild the tables elsewhere
         self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).float()
-        freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        if scaling is not None and scaling.type == "longrope":
+            cos, sin = _longrope_tables(inv_freq, t, scaling)
+        else:
+            freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
+            cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self._last_positions = self._last_dtype = self._last = None
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +61,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [tokens, heads, dim], k: [tokens, kv_heads, dim]
-        cos, sin = (t.unsqueeze(1) for t in self._tables(positions, q.dtype))  # [tokens, 1, dim/2]
+        cos, sin = (t.unsqueeze(1) for t in self._tables(positions, q.dtype))  # [tokens, 1, rotary_dim/2]
+        if self.rotary_dim != self.head_dim:
+            r = self.rotary_dim
+            return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                    torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """forward(), except that q and k may be overwritten: float32 CPU tensors are rotated in place by the C
         kernel, in one pass instead of torch's six."""
-        if q.dtype == torch.float32 and q.device.type == "cpu" and kernels.available():
+        if (q.dtype == torch.float32 and q.device.type == "cpu" and self.rotary_dim == self.head_dim
+                and kernels.available()):
             if kernels.rope_pair_(q, k, *self._tables(positions, q.dtype)):
                 return q, k
         return self(positions, q, k)
@@ -70,3 +82,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _longrope_tables(base_inv_freq: torch.Tensor, t: torch.Tensor, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_pos, dim/2] for longrope: positions within the original length turn by the short factors,
+    later ones by the long factors, both times the attention factor. transformers picks one set for a whole
+    forward by its longest sequence; a per-position choice keeps a token's rotation independent of the rest of
+    the batch and of how its prompt was chunked (and agrees with transformers on sequences within the original
+    length)."""
+    original = scaling.original_max_position_embeddings
+    if len(scaling.short_factor) != base_inv_freq.numel() or len(scaling.long_factor) != base_inv_freq.numel():
+        raise ValueError(f"longrope factors have {len(scaling.short_factor)} and {len(scaling.long_factor)} "
+                         f"entries, the rotary dimension needs {base_inv_freq.numel()}")
+    short = base_inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32, device="cpu")
+    long = base_inv_freq / torch.tensor(scaling.long_factor, dtype=torch.float32, device="cpu")
+    freqs = torch.where((t < original)[:, None], torch.outer(t, short), torch.outer(t, long))
+    return freqs.cos() * scaling.attention_factor, freqs.sin() * scaling.attention_factor

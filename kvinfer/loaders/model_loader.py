@@ -113,10 +113,10 @@ def _init_buffers(model: Decoder, cfg: ModelConfig, max_positions: int, device) 
     from kvinfer.layers.alibi import alibi_slopes
     from kvinfer.layers.rotary import RotaryEmbedding
 
-    if model.rotary is not None:
-        r = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
-        model.rotary.cos = r.cos
-        model.rotary.sin = r.sin
+    for rot in {id(m): m for m in model.modules() if isinstance(m, RotaryEmbedding)}.values():
+        r = RotaryEmbedding(*rot.args).to(device)  # the global and (Gemma 3) the windowed layers' tables
+        rot.cos = r.cos
+        rot.sin = r.sin
     if cfg.position == "alibi":
         model.alibi = alibi_slopes(cfg.num_heads).to(device)
 

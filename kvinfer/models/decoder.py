@@ -10,8 +10,20 @@ from kvinfer.config import ModelConfig
 from kvinfer.layers.alibi import alibi_slopes
 from kvinfer.layers.attention import Attention, AttentionMetadata
 from kvinfer.layers.mlp import GeluMLP, SwiGLU
+from kvinfer.layers.moe import MoE
 from kvinfer.layers.norm import make_norm
 from kvinfer.layers.rotary import RotaryEmbedding
+from kvinfer.models.families.gemma3 import SandwichLayer
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    if cfg.num_experts:
+        return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                   cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+    if cfg.mlp == "swiglu":
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
+    approx = "tanh" if cfg.activation == "gelu_tanh" else "none"
+    return GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, approx)
 
 
 class DecoderLayer(nn.Module):
@@ -20,11 +32,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = make_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
         self.attn = Attention(cfg, idx, rotary)
         self.post_attn_norm = make_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
-        if cfg.mlp == "swiglu":
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        else:
-            approx = "tanh" if cfg.activation == "gelu_tanh" else "none"
-            self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, approx)
+        self.mlp = make_mlp(cfg)
 
     def forward(self, x, positions, md, kv):
         x = x + self.attn(self.input_norm(x), positions, md, kv)
@@ -40,18 +48,27 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.position == "learned" else None
         self.embed_norm = make_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, cfg.norm_bias) if cfg.embedding_norm else None
-        rotary = None
+        rotary = local = None
         if cfg.position == "rope":
-            rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+            rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+            # Gemma 3's windowed layers turn by their own base, unscaled.
+            local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(cfg.head_dim, max_positions,
+                                                                                cfg.rope_local_theta)
         self.rotary = rotary  # shared by all layers: one cos/sin table
+        self.local_rotary = local
         self.register_buffer("alibi", alibi_slopes(cfg.num_heads) if cfg.position == "alibi" else None,
                              persistent=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        windows = cfg.layer_windows or (None,) * cfg.num_layers
+        self.layers = nn.ModuleList(
+            SandwichLayer(cfg, i, local if windows[i] else rotary, make_mlp(cfg)) if cfg.sandwich_norm
+            else DecoderLayer(cfg, i, local if windows[i] else rotary) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, cfg.norm_bias)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, kv: Any) -> torch.Tensor:
         x = self.embed(input_ids)  # [tokens, hidden]
+        if self.cfg.embed_scale is not None:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)  # rounded to the model dtype, as Gemma does
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         if self.embed_norm is not None:
@@ -77,5 +94,8 @@ class Decoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            return (hidden @ self.embed.weight.t()).float()  # [n, vocab]
-        return self.lm_head(hidden).float()
+            logits = (hidden @ self.embed.weight.t()).float()  # [n, vocab]
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

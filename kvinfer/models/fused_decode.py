@@ -31,6 +31,10 @@ def unsupported_reason(model, backend) -> Optional[str]:
         return f"position {cfg.position}, norm {cfg.norm}, mlp {cfg.mlp} (needs rope, rms, swiglu)"
     if model.pos_embed is not None or model.embed_norm is not None or cfg.qk_norm:
         return "extra embedding or q/k norms"
+    if cfg.rotary_dim is not None or cfg.layer_windows or cfg.sandwich_norm or cfg.num_experts:
+        return "partial rotary, per-layer windows, sandwich norms or experts"
+    if cfg.embed_scale is not None or cfg.attn_scale is not None:
+        return "a scaled embedding or softmax"
     if cfg.head_dim % 2:
         return "odd head_dim"
     rot = model.rotary

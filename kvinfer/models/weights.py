@@ -8,6 +8,7 @@ import torch
 
 from kvinfer.config import ModelConfig
 from kvinfer.errors import ModelLoadError
+from kvinfer.models.families import gemma3, moe, phi3
 
 # Llama-style names (Llama, Mistral, Qwen2, Qwen3 and the GGUF loader's output).
 _LLAMA_LAYER = {
@@ -56,7 +57,10 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+              extra_layer_names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Llama-style names; extra_layer_names: a family's further per-layer names (checkpoint -> ours)."""
+    layer_names = {**_LLAMA_LAYER, **(extra_layer_names or {})}
     out: dict[str, torch.Tensor] = {}
     pending: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in tensors:
@@ -69,8 +73,8 @@ def map_llama(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> 
                 continue
             raise ModelLoadError(f"unexpected tensor {name!r} in a {cfg.architecture} checkpoint")
         i, rest = int(m.group(1)), m.group(2)
-        if rest in _LLAMA_LAYER:
-            out[f"layers.{i}.{_LLAMA_LAYER[rest]}"] = t
+        if rest in layer_names:
+            out[f"layers.{i}.{layer_names[rest]}"] = t
         elif "rotary_emb" in rest:
             continue
         else:
@@ -193,6 +197,11 @@ WEIGHT_MAPS: dict[str, Callable[[ModelConfig, Iterable[tuple[str, torch.Tensor]]
     "qwen3": map_llama,
     "gpt2": map_gpt2,
     "bloom": map_bloom,
+    "gemma3": gemma3.map_gemma3,
+    "phi3": phi3.map_phi3,
+    "qwen3_moe": moe.map_moe,
+    "qwen2_moe": moe.map_moe,
+    "mixtral": moe.map_moe,
 }
 
 
