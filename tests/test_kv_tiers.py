@@ -245,3 +245,35 @@ def test_redis_down_at_start(tiny_llama_dir, cold):
     llm = small_llm(tiny_llama_dir, kv_cache_redis=f"redis://127.0.0.1:{_free_port()}/0")
     assert results(generate_each(llm, ps[:1])) == ref[:1]
     llm.close()
+
+
+def test_tier_counters_on_metrics(tiny_llama_dir, cold):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvinfer.server.tier_metrics import register_tier_metrics
+
+    ps, _ = cold
+    llm = small_llm(tiny_llama_dir, kv_offload_memory="4MiB")
+    generate_each(llm, ps + ps)
+    reg = CollectorRegistry()
+    register_tier_metrics(reg, llm.engine, "tiny")
+    text = generate_latest(reg).decode()
+    hits = llm.engine.kv_tiers.counters()["ram"]["hits"]
+    assert hits > 0 and f'kvinfer_kv_tier_hits_total{{model_name="tiny",tier="ram"}} {float(hits)}' in text
+    assert 'kvinfer_kv_tier_errors_total{model_name="tiny",tier="ram"} 0.0' in text
+
+
+def test_bench_prefix_cache_json(tiny_llama_dir, capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    rc = main(["bench", "prefix-cache", "--model", tiny_llama_dir, "--dtype", "float32", "--block-size", "4",
+               "--prefixes", "4", "--prefix-tokens", "64", "--rounds", "2", "--long-prefix", "200", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["bitwise_identical"]
+    runs = report["runs"]
+    assert runs["pool only"]["before_restart"]["cached_tokens"] == 0  # a quarter of the prefixes fit: LRU loses all
+    assert runs["ram"]["before_restart"]["cached_tokens"] >= 4 * 64 - 16
+    assert runs["disk"]["after_restart"]["cached_tokens"] >= 8 * 60
+    assert report["long_prefix"]["cached_tokens"] >= 196
