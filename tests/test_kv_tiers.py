@@ -277,3 +277,16 @@ def test_bench_prefix_cache_json(tiny_llama_dir, capsys):
     assert runs["ram"]["before_restart"]["cached_tokens"] >= 4 * 64 - 16
     assert runs["disk"]["after_restart"]["cached_tokens"] >= 8 * 60
     assert report["long_prefix"]["cached_tokens"] >= 196
+
+
+def test_plan_sizes_the_tiers(capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    assert main(["plan", "--memory", "2GiB", "--kv-offload-memory", "4GiB", "--kv-cache-dir-size", "20GiB",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    bpt, ram, disk = plan["kv_bytes_per_token"], plan["kv_tiers"]["ram"], plan["kv_tiers"]["disk"]
+    assert ram["blocks"] == (4 << 30) // (bpt * 16) and disk["blocks"] == (20 << 30) // (bpt * 16 + 48)
+    assert ram["prefixes"] == ram["blocks"] // 250

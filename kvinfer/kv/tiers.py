@@ -317,3 +317,16 @@ class KVTiers:
 def env_switches() -> dict:
     """The environment switches that change a computed block's bits."""
     return {k: os.environ.get(k, "") for k in ("KVINFER_KERNELS", "KVINFER_BATCH_INVARIANT", "KVINFER_PROMPT_BF16")}
+
+
+def plan_tiers(kv_bytes_per_token: int, block_size: int, sizes: dict[str, int], prefix_tokens: int = 4000) -> dict:
+    """What each tier of the given byte size holds: blocks, tokens, and prefixes of `prefix_tokens` tokens (a disk
+    or Redis record also carries its header)."""
+    payload = kv_bytes_per_token * block_size
+    out = {}
+    for name, size in sizes.items():
+        per_block = payload + (HEADER_BYTES if name != "ram" else 0)
+        blocks = size // per_block
+        out[name] = dict(bytes=size, bytes_per_block=per_block, blocks=blocks, tokens=blocks * block_size,
+                         prefixes=blocks // max(1, -(-prefix_tokens // block_size)), prefix_tokens=prefix_tokens)
+    return out
