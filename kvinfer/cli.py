@@ -98,6 +98,15 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
     g.add_argument("--kv-cache-fraction", type=float, default=0.0,
                    help="instead of --kv-cache-memory: this fraction in [0, 1) of the available memory "
                         "(default 0: off, the budget is 1GiB)")
+    k = p.add_argument_group("KV tiers below the paged pool (docs/kv_tiers.md)")
+    k.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="RAM tier: blocks evicted from the pool are kept here (e.g. 4GiB) and copied back on a hit")
+    k.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="disk tier: one file per block, kept across restarts, shareable by processes")
+    k.add_argument("--kv-cache-dir-size", default=None, metavar="SIZE",
+                   help="the disk tier's quota, least recently used files removed first (default 10GiB)")
+    k.add_argument("--kv-cache-redis", default=None, metavar="URL",
+                   help="shared tier in a Redis server, e.g. redis://127.0.0.1:6379/0")
     g.add_argument("--block-size", type=int_at_least("--block-size", 1, 1024), default=16,
                    help="tokens per KV block, 1-1024 (paged; default 16)")
     g.add_argument("--max-model-len", type=int_at_least("--max-model-len"), default=None,
@@ -135,6 +144,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="longest n-gram looked up, tried first (default 4)")
 
 
+TIER_FLAGS = ("kv_offload_memory", "kv_cache_dir", "kv_cache_dir_size", "kv_cache_redis")
+
+
 def engine_config_from_args(args):
     from kvinfer.config import EngineConfig
     from kvinfer.utils import parse_size
@@ -153,7 +165,8 @@ def engine_config_from_args(args):
                         master_addr=args.master_addr, master_port=args.master_port,
                         speculative=args.speculative or ("draft" if args.speculative_model else None),
                         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
-                        ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                        **{k: getattr(args, k, None) for k in TIER_FLAGS})
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:

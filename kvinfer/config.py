@@ -593,6 +593,13 @@ class EngineConfig:
     num_speculative_tokens: Optional[int] = None
     ngram_min: int = 1
     ngram_max: int = 4
+    # KV tiers below the paged pool (docs/kv_tiers.md): a RAM tier for blocks evicted from the pool, a directory of
+    # block files that outlives the process (LRU within kv_cache_dir_size, 10 GiB by default), a Redis server
+    # shared by replicas. Sizes in bytes (or "4GiB").
+    kv_offload_memory: Optional[int] = None
+    kv_cache_dir: Optional[str] = None
+    kv_cache_dir_size: Optional[int] = None
+    kv_cache_redis: Optional[str] = None
 
     def _check_types(self) -> None:
         """A value of the wrong type is a ValidationError naming the setting (not a TypeError from a comparison)."""
@@ -612,8 +619,9 @@ class EngineConfig:
                 raise ValidationError(f.name, value, f"must be {words}" + (" or None" if optional else ""))
 
     def __post_init__(self):
-        if isinstance(self.kv_cache_memory, str):  # "512MiB", as on the command line
-            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        for name in ("kv_cache_memory", "kv_offload_memory", "kv_cache_dir_size"):
+            if isinstance(getattr(self, name), str):  # "512MiB", as on the command line
+                object.__setattr__(self, name, parse_size(getattr(self, name), name))
         self._check_types()
         if self.kv_cache not in KV_BACKENDS:
             raise ValidationError("kv_cache", self.kv_cache, f"must be one of {', '.join(KV_BACKENDS)}")
@@ -631,6 +639,14 @@ class EngineConfig:
             raise ValidationError("block_size", self.block_size, "must be in [1, 1024]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValidationError("kv_cache_memory", self.kv_cache_memory, "must be > 0 bytes")
+        for name in ("kv_offload_memory", "kv_cache_dir_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValidationError(name, getattr(self, name), "must be > 0 bytes")
+        if self.kv_cache_dir_size is not None and not self.kv_cache_dir:
+            raise ValidationError("kv_cache_dir_size", self.kv_cache_dir_size, "needs kv_cache_dir")
+        if self.kv_cache_redis is not None and not self.kv_cache_redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ValidationError("kv_cache_redis", self.kv_cache_redis,
+                                  "must be a URL such as redis://127.0.0.1:6379/0")
         if not 0.0 <= self.kv_cache_fraction < 1.0:
             raise ValidationError("kv_cache_fraction", self.kv_cache_fraction, "must be in [0, 1)")
         if self.max_model_len is not None and self.max_model_len < 1:

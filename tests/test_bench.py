@@ -250,5 +250,7 @@ def test_bench_exact_counts_bitwise_identical_requests(tiny_llama_dir, capsys):
     assert main(["bench", "exact", "--model", tiny_llama_dir, "--prompts", "2", "--tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "small KV budget (preemption)" in out and "none backend" in out
+    restart = next(line for line in out.splitlines() if line.startswith("after a restart, from the disk tier"))
+    assert "2/2" in restart and " 0 blocks restored" not in restart
     last = out.strip().splitlines()[-1].split()
-    assert last[0] == "all" and last[1] == "16/16" and last[2] == "16/16"
+    assert last[0] == "all" and last[1] == "18/18" and last[2] == "18/18"

@@ -109,6 +109,9 @@ def register(sub) -> None:
 
     register_spec(bs)
     register_structured(bs)
+    from kvinfer.bench.prefix_cache import register_prefix_cache
+
+    register_prefix_cache(bs)
     try:
         from kvinfer.bench.serve import register_serve
     except ImportError:

@@ -7,17 +7,19 @@ import time
 from kvinfer.bench import machine_line
 
 WAYS = ("batch of 24", "shuffled order", "chunked prefill (64-token budget)", "after a prefix-cache hit",
-        "small KV budget (preemption)", "contiguous backend", "none backend", "one decode step per call")
+        "small KV budget (preemption)", "contiguous backend", "none backend", "one decode step per call",
+        "after a restart, from the disk tier")
 
 
 def register_exact(bs) -> None:
     from kvinfer.cli import add_engine_args, int_at_least
 
-    e = bs.add_parser("exact", help="the same requests served 8 ways: how many are bitwise identical to alone",
+    e = bs.add_parser("exact", help="the same requests served 9 ways: how many are bitwise identical to alone",
                       description="Each prompt is generated alone, then again inside a batch of 24, in shuffled "
                                   "order, with a 64-token chunked-prefill budget, after a prefix-cache hit, under a "
                                   "KV budget small enough to preempt, with the contiguous and with the none "
-                                  "backend, and with one decode step per C call (--num-scheduler-steps 1). "
+                                  "backend, with one decode step per C call (--num-scheduler-steps 1), and by a "
+                                  "new engine from the disk tier (--kv-cache-dir) an earlier one filled. "
                                   "Prints, per way, how many requests gave bitwise the same token ids and logprobs "
                                   "as alone, and how many the same tokens.")
     e.add_argument("--prompts", type=int_at_least("--prompts", 2), default=12, help="requests (default 12)")
@@ -26,6 +28,25 @@ def register_exact(bs) -> None:
                    help="0: greedy (default); above 0 every request samples with its own seed")
     add_engine_args(e)
     e.set_defaults(func=cmd_exact)
+
+
+def _after_restart(llm, prompts, batch):
+    """The prompts' KV written to a disk tier by one engine, then restored by a new one (a restart)."""
+    import shutil
+    import tempfile
+
+    from kvinfer.sampling_params import SamplingParams
+
+    directory = tempfile.mkdtemp(prefix="kvinfer-exact-")
+    try:
+        first = llm(kv_cache_dir=directory)
+        first.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        first.engine.close()
+        second = llm(kv_cache_dir=directory)
+        got = batch(second)
+        return got, second.engine.kv_tiers.counters()["disk"]["hits"]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def cmd_exact(args) -> int:
@@ -88,6 +109,7 @@ def cmd_exact(args) -> int:
                                  kv_cache_memory=kv_per_token * (longest + 16) * 8))
     results[WAYS[6]] = batch(llm(kv_cache="none"))
     results[WAYS[7]] = batch(llm(num_scheduler_steps=1))
+    results[WAYS[8]], restored = _after_restart(llm, prompts, batch)
     n = len(prompts)
     print(f"kvinfer bench exact: {n} requests x {args.tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'sampled at T={args.temperature}, seeded'}), "
@@ -101,6 +123,7 @@ def cmd_exact(args) -> int:
         tok = sum(g[0] == a[0] for g, a in zip(got, alone))
         total, same_total = total + bit, same_total + tok
         note = f"  ({preempted} preemptions)" if way == WAYS[4] else ""
+        note = f"  ({restored} blocks restored)" if way == WAYS[8] else note
         print(f"{way:<36}{f'{bit}/{n}':>18}{f'{tok}/{n}':>13}{note}")
     print(f"{'all':<36}{f'{total}/{n * len(WAYS)}':>18}{f'{same_total}/{n * len(WAYS)}':>13}")
     return 0

@@ -16,6 +16,7 @@ from kvinfer.engine.outputs import Logprob, RequestOutput
 from kvinfer.engine.processing import CoreOutput, EngineRequest, InputProcessor, OutputProcessor, Prompt, SampleDelta
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
+from kvinfer.kv.tier_io import make_tiers
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
 from kvinfer.request import Request
@@ -193,6 +194,9 @@ class LLMEngine:
             self.tp = TensorParallel.start(config, self.loaded)
             self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
         self.kv_manager.prompt_roles = self.runner.prompt_route  # prefix-cache hashes say which tokens are prompt
+        # Tiers below the pool (RAM, disk, Redis) where the flags ask for them: kv/tier_io.py, docs/kv_tiers.md
+        self.kv_tiers = make_tiers(config, self.loaded, self.kv_cache, self.kv_manager, self.runner.prompt_route,
+                                   self.tp is None)
         self.sampler = Sampler()
         self._rng = torch.Generator().manual_seed(config.seed)
         self.groups: dict[str, _Group] = {}
@@ -351,6 +355,8 @@ class LLMEngine:
         if n > (0 if spec else 1):
             running = len(self.scheduler.running)
             outs = self._step_fused(n)
+            if self.kv_tiers is not None:  # the blocks just computed go to the persistent tiers
+                self.kv_manager.after_step()
             if outs is not None:
                 if spec:
                     self._after_speculator_step(t0, generated, False, running)
@@ -361,6 +367,8 @@ class LLMEngine:
         if sched.scheduled:
             logits, sampled = self.runner.execute(sched)
             self.scheduler.update_after_step(sched)
+            if self.kv_tiers is not None:
+                self.kv_manager.after_step()
             m = self.kv_manager
             if m.keeps_kv:
                 used = m.num_units - m.num_free_units
@@ -611,6 +619,9 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def close(self) -> None:
-        """End the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        """End the tensor-parallel workers (a no-op without them), write out the KV tiers' queue; the engine cannot
+        step afterwards."""
+        if getattr(self, "kv_tiers", None) is not None:
+            self.kv_tiers.close()
         if self.tp is not None:
             self.tp.shutdown()

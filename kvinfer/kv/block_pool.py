@@ -5,7 +5,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 @dataclass
@@ -45,6 +45,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_hits = 0  # blocks served from the prefix cache
         self.num_queries = 0  # full prompt blocks looked up
+        # Called with (block id, hash) as a cached block is evicted, while its K/V are still intact (a tier below
+        # the pool copies them).
+        self.on_evict: Optional[Callable[[int, bytes], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,6 +71,8 @@ class BlockPool:
             if blk.block_hash is not None:
                 if self.cached.get(blk.block_hash) == bid:
                     del self.cached[blk.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(bid, blk.block_hash)
                 blk.block_hash = None
                 self.num_evictions += 1
             blk.ref_cnt = 1

@@ -32,6 +32,17 @@ class PagedKVManager:
         # Set by the engine where prompt rows are computed by their own route (kernels' prompt route): a block's
         # hash then also says how many of its tokens are prompt tokens.
         self.prompt_roles = False
+        self.tiers = None  # kv.tiers.KVTiers below the pool, set by the engine (attach_tiers)
+
+    def attach_tiers(self, tiers) -> None:
+        """Tiers below the pool: evicted blocks go there, prefix misses are looked up there."""
+        self.tiers = tiers
+        self.pool.on_evict = tiers.on_evict
+
+    def after_step(self) -> None:
+        """The blocks registered for the step just run now hold their K/V: the tiers may copy them."""
+        blocks = self.pool.blocks
+        self.tiers.after_step(lambda bid, h: blocks[bid].block_hash == h and blocks[bid].ref_cnt > 0)
 
     def _roles(self, req: Request, i: int) -> Optional[int]:
         if not self.prompt_roles:
@@ -67,12 +78,43 @@ class PagedKVManager:
             h = hash_block(parent, req.token_slice(i * bs, (i + 1) * bs), self._roles(req, i))
             bid = self.pool.lookup(h)
             if bid is None:
+                if self.tiers is not None:
+                    hits += self._restore(req, hits, h, i, max_blocks)
                 break
             hits.append(bid)
             parent = h
         self.pool.num_queries += max_blocks
         self.pool.num_hits += len(hits)
         return hits, len(hits) * bs
+
+    def _restore(self, req: Request, hits: list[int], h: bytes, first: int, max_blocks: int) -> list[int]:
+        """Blocks first.. of the prefix (h: block first's hash) from the tiers below the pool, as far as they hold
+        them: each copied into a free pool block and registered, as if it had stayed cached. The hits found so far
+        are held meanwhile, so that making room never evicts them."""
+        bs, pool = self.block_size, self.pool
+        keys = [h]
+        for i in range(first + 1, max_blocks):
+            keys.append(hash_block(keys[-1], req.token_slice(i * bs, (i + 1) * bs), self._roles(req, i)))
+        pool.touch(hits)
+        got: list[int] = []
+        try:
+            for key, payload in self.tiers.fetch(keys):
+                bid = pool.lookup(key)
+                if bid is not None:  # still in the pool after all (a later block outlived an earlier one)
+                    pool.touch([bid])
+                elif pool.num_free_blocks <= 1:  # leave the request a block to compute into
+                    break
+                else:
+                    (bid,) = pool.allocate(1)
+                    if not self.tiers.load(bid, payload):
+                        pool.free([bid])
+                        break
+                    pool.register(bid, key)
+                got.append(bid)
+        finally:
+            # Back to the free queue as cached blocks, the prefix's tail first (evicted first).
+            pool.free(reversed(hits + got))
+        return got
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
                        reserve: int = 0) -> bool:
@@ -115,6 +157,8 @@ class PagedKVManager:
             h = hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs), self._roles(req, i))
             hashes.append(h)
             self.pool.register(table[i], h)
+            if self.tiers is not None:
+                self.tiers.computed(table[i], h)  # written through once the step has computed it
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Keep the blocks of the first num_tokens tokens (rejected proposals' slots go back, tail first)."""

@@ -77,6 +77,9 @@ def register(sub) -> None:
     p.add_argument("--concurrent", type=_positive_int("--concurrent"), default=8,
                    help="also size this many concurrent requests, contiguous vs paged (default 8: the "
                         "40 GB / 8-request example)")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="also size a RAM tier of this many bytes below the pool (docs/kv_tiers.md)")
+    p.add_argument("--kv-cache-dir-size", default=None, metavar="SIZE", help="also size a disk tier of this quota")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -163,7 +166,7 @@ def cmd_lab_kvcache(args) -> int:
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
     from kvinfer.lab.plan import format_plan, make_plan, parse_workload, resolve_model_config
-    from kvinfer.utils import parse_size
+    from kvinfer.utils import format_bytes, parse_size
 
     memory = parse_size(args.memory, "memory")
     cfg, label = resolve_model_config(args.model)
@@ -171,7 +174,18 @@ def cmd_plan(args) -> int:
     workload = parse_workload(args.workload, max_len)
     plan = make_plan(cfg, memory, max_len, args.dtype, args.block_size, args.tp, workload, label, args.concurrent,
                      args.kv_cache_dtype)
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    tiers = {name: parse_size(size, flag) for name, size, flag in
+             (("ram", args.kv_offload_memory, "kv_offload_memory"), ("disk", args.kv_cache_dir_size,
+                                                                     "kv_cache_dir_size")) if size}
+    if tiers:
+        from kvinfer.kv.tiers import plan_tiers
+
+        plan["kv_tiers"] = plan_tiers(plan["kv_bytes_per_token"], args.block_size, tiers)
+    text = format_plan(plan)
+    for name, t in plan.get("kv_tiers", {}).items():
+        text += (f"\nKV {name} tier {format_bytes(t['bytes']):>10}: {t['blocks']:,} blocks of {args.block_size} tokens "
+                 f"({t['tokens']:,} tokens, {t['prefixes']:,} prefixes of {t['prefix_tokens']:,} tokens)")
+    print(json.dumps(plan, indent=2) if args.json else text)
     return 0
 
 

@@ -28,6 +28,7 @@ from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, 
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
 from kvinfer.server.responses import ChatReply, CompletionReply, SSEResponse, TokenText, collect, respond
+from kvinfer.server.tier_metrics import register_tier_metrics
 from kvinfer.server.tools import ToolContext, response_format_spec
 
 log = logging.getLogger("kvinfer.server")
@@ -109,6 +110,7 @@ class ServerState:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(engine.stats, model_name)
+        register_tier_metrics(self.metrics.registry, engine.engine, model_name)  # the KV tiers' counters
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.engine.model_config.vocab_size

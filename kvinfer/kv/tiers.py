@@ -1,0 +1,332 @@
+"""KV tiers below the paged pool: a RAM tier, and the chain (pool -> RAM -> disk -> Redis) the manager walks.
+
+A tier stores a full block's K/V bytes (every layer's keys, values and scales) under its prefix-cache hash, in a
+namespace named by a fingerprint of everything that changes those bytes (model file, dtypes, shapes, kernel
+routes), so a block is only ever restored into the same model and layout. A tier can only save work: whatever it
+cannot give back intact (missing, corrupt, foreign, unreachable) is a miss, and the block is recomputed.
+No torch here: the engine hands in two functions that copy a pool block's bytes out and back in."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+log = logging.getLogger("kvinfer")
+
+FORMAT_VERSION = 1
+# A stored record: magic, fingerprint (16 bytes), block hash (16), payload length, CRC-32 of the payload.
+_HEADER = struct.Struct("<4s16s16sQI")
+MAGIC = b"KVT1"
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier, as /metrics shows them."""
+
+    hits: int = 0  # blocks restored from this tier into the pool
+    misses: int = 0  # blocks looked up here and not found (or not usable)
+    bytes_in: int = 0  # bytes restored from this tier
+    bytes_out: int = 0  # bytes written to this tier
+    evictions: int = 0  # blocks this tier dropped to stay within its budget
+    errors: int = 0  # corrupt, truncated or foreign records, failed writes, unreachable server
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class OnceLog:
+    """Logs each kind of trouble once per tier (a full disk or a dead server would otherwise log every block)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._seen: set[str] = set()
+
+    def __call__(self, kind: str, msg: str, *args) -> None:
+        if kind not in self._seen:
+            self._seen.add(kind)
+            log.warning("KV %s tier: " + msg + " (the block is recomputed; logged once)", self.name, *args)
+
+
+def encode_record(fingerprint: bytes, key: bytes, payload) -> bytes:
+    """Header + payload: what the disk and Redis tiers store."""
+    mv = memoryview(payload).cast("B")
+    return _HEADER.pack(MAGIC, fingerprint, key, mv.nbytes, zlib.crc32(mv)) + bytes(mv)
+
+
+def decode_record(data, fingerprint: bytes, key: bytes, payload_bytes: int) -> tuple[Optional[memoryview], str]:
+    """(payload, "") if `data` is an intact record of this block under this fingerprint, else (None, why)."""
+    mv = memoryview(data).cast("B")
+    if mv.nbytes < HEADER_BYTES:
+        return None, "truncated"
+    magic, fp, k, n, crc = _HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        return None, "not a kvinfer block"
+    if fp != fingerprint:
+        return None, "foreign (another model or KV layout)"
+    if k != key:
+        return None, "holds another block"
+    if n != payload_bytes or mv.nbytes != HEADER_BYTES + n:
+        return None, "truncated" if mv.nbytes < HEADER_BYTES + n else "wrong length"
+    payload = mv[HEADER_BYTES:]
+    if zlib.crc32(payload) != crc:
+        return None, "checksum mismatch"
+    return payload, ""
+
+
+class Tier:
+    """A store of block payloads by key. get() returns a verified payload or None; put() never raises."""
+
+    name = "?"
+    persistent = False  # outlives the process (written through as blocks are computed, not only on eviction)
+    batch = 1  # keys fetched per call (a networked tier: one round trip for several blocks of a prefix)
+
+    def __init__(self):
+        self.stats = TierStats()
+
+    def get(self, key: bytes):
+        raise NotImplementedError
+
+    def get_many(self, keys: Sequence[bytes]) -> list:
+        """Payloads (or None) of several keys; a networked tier fetches them in one round trip."""
+        return [self.get(k) for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        raise NotImplementedError
+
+    def put(self, key: bytes, payload) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RamTier(Tier):
+    """Blocks evicted from the pool, in process memory up to a byte budget, least recently used dropped first."""
+
+    name = "ram"
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget = budget
+        self.used = 0
+        self.blocks: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, key: bytes):
+        payload = self.blocks.get(key)
+        if payload is not None:
+            self.blocks.move_to_end(key)
+        return payload
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def put(self, key: bytes, payload) -> None:
+        n = len(payload)
+        if n > self.budget:
+            return
+        old = self.blocks.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+        while self.used + n > self.budget:
+            _, dropped = self.blocks.popitem(last=False)
+            self.used -= len(dropped)
+            self.stats.evictions += 1
+        self.blocks[key] = payload
+        self.used += n
+        self.stats.bytes_out += n
+
+
+def file_identity(path: Optional[Path]) -> bytes:
+    """A model's identity without reading all of it: per file (a GGUF, or a directory's config, tokenizer and
+    weights), its name, size and the hash of its first MiB (a GGUF's header and metadata, a safetensors header)."""
+    h = hashlib.blake2b(digest_size=16)
+    if path is None:
+        return h.digest()
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf",
+                                                                              ".bin", ".model")) \
+        if path.is_dir() else [path]
+    for f in files:
+        st = f.stat()
+        h.update(f.name.encode() + b"\0" + st.st_size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.digest()
+
+
+def fingerprint(parts: dict) -> bytes:
+    """16 bytes naming a KV layout: the format version and every field given (model identity, dtypes, shapes...)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"kvinfer-kv-tier-v{FORMAT_VERSION}".encode())
+    for k in sorted(parts):
+        h.update(f"\0{k}={parts[k]!r}".encode())
+    return h.digest()
+
+
+class KVTiers:
+    """The tiers below one pool, in lookup order, and the traffic between them and the pool.
+
+    - on_evict: a cached block leaving the pool is copied to the RAM tier (if any) before it is overwritten.
+    - computed: a newly computed full block is written through to the persistent tiers (disk, Redis) by a
+      background thread, from a copy taken after the step that computed it.
+    - restore: a prefix the pool misses is fetched from the first tier holding each block, as far as the
+      prefix goes, and copied into free pool blocks before the step that reads them.
+    """
+
+    def __init__(self, fp: bytes, block_bytes: int, read_block: Callable[[int], bytes],
+                 write_block: Callable[[int, object], None], tiers: Sequence[Tier],
+                 max_pending_bytes: int = 256 << 20):
+        self.fingerprint = fp
+        self.block_bytes = block_bytes
+        self.read_block = read_block
+        self.write_block = write_block
+        self.tiers = list(tiers)
+        self.ram = next((t for t in self.tiers if isinstance(t, RamTier)), None)
+        self.persistent = [t for t in self.tiers if t.persistent]
+        self._pending: list[tuple[int, bytes]] = []  # (block id, hash) computed this step, to write through
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the persistent tiers hold (or were sent)
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._qlock = threading.Lock()
+        self.max_pending_bytes = max_pending_bytes
+        self.dropped_writes = 0  # blocks not written through because the writer was too far behind
+        self._writer: Optional[threading.Thread] = None
+        if self.persistent:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+
+    # ---- the pool's hooks ---------------------------------------------------------------
+    def on_evict(self, block_id: int, key: bytes) -> None:
+        if self.ram is None or self.ram.contains(key):
+            return
+        try:
+            self.ram.put(key, self.read_block(block_id))
+        except Exception as e:  # noqa: BLE001 - a tier may only save work, never fail a step
+            self.ram.stats.errors += 1
+            log.warning("KV ram tier: could not copy an evicted block: %s", e)
+
+    def computed(self, block_id: int, key: bytes) -> None:
+        if self.persistent and key not in self._known:
+            self._pending.append((block_id, key))
+
+    def after_step(self, still_holds: Callable[[int, bytes], bool]) -> None:
+        """Copy the blocks computed by the step just run and queue them for the persistent tiers."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for bid, key in pending:
+            if key in self._known or not still_holds(bid, key):
+                continue
+            with self._qlock:
+                if self._queued_bytes + self.block_bytes > self.max_pending_bytes:
+                    self.dropped_writes += 1
+                    continue
+                self._queued_bytes += self.block_bytes
+            self._remember(key)
+            self._queue.put((key, self.read_block(bid)))
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        if len(self._known) > 1 << 17:
+            self._known.popitem(last=False)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            key, payload = item
+            try:
+                for t in self.persistent:
+                    t.put(key, payload)
+            except Exception as e:  # noqa: BLE001 - tiers handle their own errors; this is a last guard
+                log.warning("KV tier writer: %s", e)
+            finally:
+                with self._qlock:
+                    self._queued_bytes -= self.block_bytes
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued block has been written (tests, shutdown)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        for t in self.tiers:
+            t.close()
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def fetch(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, object]]:
+        """(key, payload) of keys[0], keys[1], ... while some tier holds each; stops at the first block none has.
+        Networked tiers are asked for the rest of the prefix at once, the first time the walk reaches them."""
+        batched: dict[int, dict[bytes, object]] = {}
+        for i, key in enumerate(keys):
+            payload = None
+            for ti, t in enumerate(self.tiers):
+                if t.batch > 1:
+                    got = batched.setdefault(ti, {})
+                    if key not in got:
+                        chunk = keys[i:i + t.batch]
+                        got.update(zip(chunk, t.get_many(chunk)))
+                    payload = got.pop(key)
+                else:
+                    payload = t.get(key)
+                if payload is not None:
+                    t.stats.hits += 1
+                    t.stats.bytes_in += self.block_bytes
+                    if t.persistent:
+                        self._remember(key)
+                    break
+                t.stats.misses += 1
+            if payload is None:
+                return
+            yield key, payload
+
+    def load(self, block_id: int, payload) -> bool:
+        """Copy a fetched payload into a pool block; False (logged) if that failed."""
+        try:
+            self.write_block(block_id, payload)
+            return True
+        except Exception as e:  # noqa: BLE001 - a tier may only save work, never fail a step
+            log.warning("KV tiers: could not load a block into the pool: %s", e)
+            return False
+
+    def counters(self) -> dict[str, dict]:
+        return {t.name: t.stats.as_dict() for t in self.tiers}
+
+    def describe(self) -> str:
+        parts = []
+        for t in self.tiers:
+            parts.append(getattr(t, "label", t.name))
+        return ", ".join(parts)
+
+
+def env_switches() -> dict:
+    """The environment switches that change a computed block's bits."""
+    return {k: os.environ.get(k, "") for k in ("KVINFER_KERNELS", "KVINFER_BATCH_INVARIANT", "KVINFER_PROMPT_BF16")}
+
+
+def plan_tiers(kv_bytes_per_token: int, block_size: int, sizes: dict[str, int], prefix_tokens: int = 4000) -> dict:
+    """What each tier of the given byte size holds: blocks, tokens, and prefixes of `prefix_tokens` tokens (a disk
+    or Redis record also carries its header)."""
+    payload = kv_bytes_per_token * block_size
+    out = {}
+    for name, size in sizes.items():
+        per_block = payload + (HEADER_BYTES if name != "ram" else 0)
+        blocks = size // per_block
+        out[name] = dict(bytes=size, bytes_per_block=per_block, blocks=blocks, tokens=blocks * block_size,
+                         prefixes=blocks // max(1, -(-prefix_tokens // block_size)), prefix_tokens=prefix_tokens)
+    return out

@@ -1,0 +1,292 @@
+"""KV tiers below the pool (RAM, disk, Redis): restored prefixes give the cold run's bits; faults only cost work."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from kvinfer import LLM, SamplingParams
+from kvinfer.errors import ValidationError
+from kvinfer.kv.tier_stores import DiskTier
+from kvinfer.kv.tiers import RamTier, decode_record, encode_record
+from tests.conftest import assert_engine_clean
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+BPT = 512  # tiny llama: 2 layers * 2 kv heads * 16 dims * (K, V) * 4 bytes per token
+
+
+def prompts(n, length=120, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(length)] for _ in range(n)]
+
+
+def results(outs):
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def generate_each(llm, ps):
+    """One request at a time (a tier's hits come from what earlier requests left)."""
+    outs = [llm.generate([p], PARAMS)[0] for p in ps]
+    assert_engine_clean(llm.engine)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_llama_dir):
+    ps = prompts(4)
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache="none")
+    return ps, results(generate_each(llm, ps))
+
+
+def small_llm(model_dir, **kw):
+    # 40 blocks of 4 tokens: one 120-token prompt fits, a second evicts the first
+    return LLM(model_dir, dtype="float32", block_size=4, kv_cache_memory=BPT * 4 * 40, **kw)
+
+
+def test_ram_tier_restores_evicted_prefixes_exactly(tiny_llama_dir, cold):
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_offload_memory="4MiB")
+    first = generate_each(llm, ps)
+    again = generate_each(llm, ps)  # each prompt was evicted from the pool by the others
+    assert results(first) == ref and results(again) == ref
+    ram = llm.engine.kv_tiers.counters()["ram"]
+    assert ram["hits"] >= 4 * 25 and ram["bytes_in"] == ram["hits"] * 2048 and ram["errors"] == 0
+    assert all(o.num_cached_tokens >= 100 for o in again)
+    off = small_llm(tiny_llama_dir)
+    generate_each(off, ps)
+    assert all(o.num_cached_tokens == 0 for o in generate_each(off, ps))  # the pool alone had lost them
+
+
+def test_ram_tier_budget_is_lru():
+    t = RamTier(3000)
+    for k in (b"a", b"b", b"c"):
+        t.put(k, b"x" * 1000)
+    assert t.get(b"a") is not None  # a is now the most recent
+    t.put(b"d", b"y" * 1000)
+    assert t.get(b"b") is None and t.get(b"a") is not None and t.used == 3000 and t.stats.evictions == 1
+
+
+def test_record_checks():
+    fp, key = b"f" * 16, b"k" * 16
+    rec = encode_record(fp, key, b"payload!")
+    assert bytes(decode_record(rec, fp, key, 8)[0]) == b"payload!"
+    assert decode_record(rec[:-1], fp, key, 8)[1] == "truncated"
+    assert decode_record(rec, b"g" * 16, key, 8)[1].startswith("foreign")
+    flipped = bytearray(rec)
+    flipped[-3] ^= 1
+    assert decode_record(bytes(flipped), fp, key, 8)[1] == "checksum mismatch"
+
+
+def test_disk_tier_survives_restart_bitwise(tiny_llama_dir, cold, tmp_path):
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))
+    assert results(generate_each(llm, ps)) == ref
+    llm.close()
+    files = list(tmp_path.glob("*.kvb"))
+    assert len(files) >= 4 * 29
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))  # a new process's view: nothing in the pool
+    again = generate_each(llm, ps)
+    assert results(again) == ref
+    assert all(o.num_cached_tokens >= 116 for o in again)
+    assert llm.engine.kv_tiers.counters()["disk"]["hits"] >= 4 * 29
+    llm.close()
+
+
+def _corrupt(files, how):
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0x40
+            f.write_bytes(bytes(data))
+        elif how == "truncate":
+            f.write_bytes(bytes(data[:len(data) // 3]))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "foreign"])
+def test_disk_faults_are_recomputed(tiny_llama_dir, cold, tmp_path, how):
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))
+    generate_each(llm, ps[:1])
+    llm.close()
+    files = sorted(tmp_path.glob("*.kvb"))
+    bad = files[::3]
+    if how == "foreign":  # another model's blocks, under the names this model looks for
+        other = tmp_path / "other"
+        save_dir = tmp_path / "model2"
+        from tests.conftest import save_tiny_llama
+
+        save_tiny_llama(save_dir, seed=1)
+        o = small_llm(str(save_dir), kv_cache_dir=str(other))
+        generate_each(o, ps[:1])
+        o.close()
+        theirs = {f.name.split("-", 1)[1]: f for f in other.glob("*.kvb")}
+        bad = [f for f in files if f.name.split("-", 1)[1] in theirs][::3]
+        assert bad
+        for f in bad:
+            shutil.copyfile(theirs[f.name.split("-", 1)[1]], f)
+    else:
+        _corrupt(bad, how)
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))
+    out = generate_each(llm, ps[:1])
+    assert results(out) == ref[:1]
+    disk = llm.engine.kv_tiers.counters()["disk"]
+    assert disk["errors"] >= 1
+    assert out[0].num_cached_tokens < 116  # the walk stopped at the first bad block
+    llm.close()
+
+
+def test_disk_full_and_quota(tiny_llama_dir, cold, tmp_path, monkeypatch):
+    ps, ref = cold
+    real_replace = os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))
+    assert results(generate_each(llm, ps[:2])) == ref[:2]
+    llm.close()
+    assert llm.engine.kv_tiers.counters()["disk"]["errors"] > 0
+    assert not list(tmp_path.iterdir())  # no temporary files left behind
+    monkeypatch.setattr(os, "replace", real_replace)
+    quota = 20 * (2048 + 48)
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path), kv_cache_dir_size=quota)
+    assert results(generate_each(llm, ps)) == ref
+    llm.close()
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.kvb")) <= quota
+    assert llm.engine.kv_tiers.counters()["disk"]["evictions"] > 0
+
+
+def test_two_disk_tiers_share_a_directory(tmp_path):
+    fp = b"f" * 16
+    a, b = DiskTier(tmp_path, 1 << 20, fp, 8), DiskTier(tmp_path, 1 << 20, fp, 8)
+    a.put(b"k" * 16, b"12345678")
+    assert bytes(b.get(b"k" * 16)) == b"12345678"
+    b.put(b"k" * 16, b"12345678")  # already there: left alone
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_tier_flags_are_checked():
+    from kvinfer.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="kv_offload_memory"):
+        EngineConfig(kv_offload_memory="lots")
+    with pytest.raises(ValidationError, match="kv_cache_dir"):
+        EngineConfig(kv_cache_dir_size="1GiB")
+    with pytest.raises(ValidationError, match="kv_cache_redis"):
+        EngineConfig(kv_cache_redis="localhost:6379")
+
+
+# ---- Redis ----------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0", proc
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_redis_tier_shared_between_engines(tiny_llama_dir, cold, redis_url):
+    ps, ref = cold
+    url, _ = redis_url
+    first = small_llm(tiny_llama_dir, kv_cache_redis=url)
+    assert results(generate_each(first, ps[:2])) == ref[:2]
+    first.close()
+    second = small_llm(tiny_llama_dir, kv_cache_redis=url)  # another replica: its pool is empty
+    out = generate_each(second, ps[:2])
+    assert results(out) == ref[:2]
+    assert all(o.num_cached_tokens >= 116 for o in out)  # >= 90% of the prompt not recomputed
+    second.close()
+
+
+def test_redis_killed_mid_run(tiny_llama_dir, cold, redis_url):
+    ps, ref = cold
+    url, proc = redis_url
+    llm = small_llm(tiny_llama_dir, kv_cache_redis=url)
+    assert results(generate_each(llm, ps[:2])) == ref[:2]
+    llm.engine.kv_tiers.flush()
+    proc.kill()
+    proc.wait(10)
+    assert results(generate_each(llm, ps)) == ref  # every request answered, from the pool or recomputed
+    llm.close()
+    assert llm.engine.kv_tiers.counters()["redis"]["errors"] >= 1
+
+
+def test_redis_down_at_start(tiny_llama_dir, cold):
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_cache_redis=f"redis://127.0.0.1:{_free_port()}/0")
+    assert results(generate_each(llm, ps[:1])) == ref[:1]
+    llm.close()
+
+
+def test_tier_counters_on_metrics(tiny_llama_dir, cold):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvinfer.server.tier_metrics import register_tier_metrics
+
+    ps, _ = cold
+    llm = small_llm(tiny_llama_dir, kv_offload_memory="4MiB")
+    generate_each(llm, ps + ps)
+    reg = CollectorRegistry()
+    register_tier_metrics(reg, llm.engine, "tiny")
+    text = generate_latest(reg).decode()
+    hits = llm.engine.kv_tiers.counters()["ram"]["hits"]
+    assert hits > 0 and f'kvinfer_kv_tier_hits_total{{model_name="tiny",tier="ram"}} {float(hits)}' in text
+    assert 'kvinfer_kv_tier_errors_total{model_name="tiny",tier="ram"} 0.0' in text
+
+
+def test_bench_prefix_cache_json(tiny_llama_dir, capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    rc = main(["bench", "prefix-cache", "--model", tiny_llama_dir, "--dtype", "float32", "--block-size", "4",
+               "--prefixes", "4", "--prefix-tokens", "64", "--rounds", "2", "--long-prefix", "200", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["bitwise_identical"]
+    runs = report["runs"]
+    assert runs["pool only"]["before_restart"]["cached_tokens"] == 0  # a quarter of the prefixes fit: LRU loses all
+    assert runs["ram"]["before_restart"]["cached_tokens"] >= 4 * 64 - 16
+    assert runs["disk"]["after_restart"]["cached_tokens"] >= 8 * 60
+    assert report["long_prefix"]["cached_tokens"] >= 196
+
+
+def test_plan_sizes_the_tiers(capsys):
+    import json
+
+    from kvinfer.cli import main
+
+    assert main(["plan", "--memory", "2GiB", "--kv-offload-memory", "4GiB", "--kv-cache-dir-size", "20GiB",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    bpt, ram, disk = plan["kv_bytes_per_token"], plan["kv_tiers"]["ram"], plan["kv_tiers"]["disk"]
+    assert ram["blocks"] == (4 << 30) // (bpt * 16) and disk["blocks"] == (20 << 30) // (bpt * 16 + 48)
+    assert ram["prefixes"] == ram["blocks"] // 250
