@@ -1,6 +1,7 @@
 """The OpenAI-compatible FastAPI app: a server state, its routes as plain functions, errors, a serving thread."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
@@ -19,6 +20,7 @@ from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
+from kvinfer.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DrainMiddleware, Lifecycle
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
                                              StoredResponse, chat_request, item_page, response_events,
@@ -103,8 +105,9 @@ class _BodyTooLarge(HTTPException):
 class ServerState:
     """What the routes share: engine, model name, tokenizer, metrics, token text cache (`app.state.server`)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, lifecycle: Optional[Lifecycle] = None):
         self.engine = engine
+        self.lifecycle = lifecycle or Lifecycle(engine)
         self.config = engine.config
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -129,11 +132,17 @@ class ServerState:
         """The generation routes' one call into the engine: one engine request per prompt, one stream."""
         base = f"{prefix}-{uuid.uuid4().hex}"
         reqs = [(base if len(prompts) == 1 else f"{base}-{i}", p, params) for i, p in enumerate(prompts)]
-        return await self.engine.add_requests(reqs)
+        return self.lifecycle.track(await self.engine.add_requests(reqs))
 
 
 def _server(request: Request) -> ServerState:
     return request.app.state.server
+
+
+async def _off_loop(fn, *args):
+    """Run request preparation (templating, tokenizing, schema compilation) on a worker thread, so that a big
+    body does not pause every other stream and /health while it is processed."""
+    return await asyncio.to_thread(fn, *args)
 
 
 # ---- request bodies to prompts and SamplingParams ----------------------------------------------------
@@ -313,6 +322,10 @@ async def model(model_id: str, request: Request):
 async def tokenize(body: TokenizeRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
+    return await _off_loop(_tokenize, srv, body)
+
+
+def _tokenize(srv: ServerState, body: TokenizeRequest) -> dict:
     tok = srv.need_tokenizer()
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -344,7 +357,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
-    prompts, params = _completion_input(srv, body)
+    prompts, params = await _off_loop(_completion_input, srv, body)
     stream = await srv.admit(prompts, params, "cmpl")
     reply = CompletionReply(srv.model_name, stream, srv.token_text, prompts, params.n, bool(body.echo),
                             body.logprobs, body.prompt_logprobs)
@@ -354,7 +367,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
-    ids, params, k, tools = _chat_input(srv, body)
+    ids, params, k, tools = await _off_loop(_chat_input, srv, body)
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
     reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
@@ -373,7 +386,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                            param="previous_response_id", code="not_found")
         history = prev.conversation
     try:
-        ids, params, k, tools = _chat_input(srv, chat_request(body, history))
+        ids, params, k, tools = await _off_loop(lambda: _chat_input(srv, chat_request(body, history)))
         stream = await srv.admit([ids], params, "resp")
     except (APIError, KvinferError) as e:
         raise responses_error(e) from None
@@ -500,12 +513,14 @@ _HANDLERS = [(APIError, _api_error), (KvinferError, _engine_error), (RequestVali
 
 # ---- the app -----------------------------------------------------------------------------------------
 def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key: Optional[str] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
     """The OpenAI-compatible app; the engine must be started (its thread steps the model)."""
     model_name = model_name or default_model_name(engine.config)
     app = FastAPI(title="kvinfer", version=_version(),
                   description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
-    app.state.server = ServerState(engine, model_name)
+    app.state.lifecycle = lifecycle = Lifecycle(engine, shutdown_timeout)
+    app.state.server = ServerState(engine, model_name, lifecycle)
     for exc, handler in _HANDLERS:
         app.add_exception_handler(exc, handler)
     for method, path, route, documented in _ROUTES:
@@ -513,6 +528,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a draining server parses nothing
     return app
 
 

@@ -9,6 +9,7 @@ import sys
 
 DEFAULT_MAX_QUEUE = 256  # mirrors kvinfer.engine.async_engine; kept here so `--help` does not import torch
 DEFAULT_MAX_BODY = "4MiB"
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # mirrors kvinfer.server.lifecycle
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -26,8 +27,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int_at_least("--max-queue", 0), default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
-    g.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY,
-                   help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--max-request-bytes", "--max-body-bytes", dest="max_body_bytes", default=DEFAULT_MAX_BODY,
+                   help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 before it is parsed "
+                        f"(default {DEFAULT_MAX_BODY})")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
+                        f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
 
 
 def register(subparsers) -> None:
@@ -74,6 +79,8 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ValidationError("max_queue", args.max_queue, "must be >= 0")
+    if not args.shutdown_timeout >= 0:
+        raise ValidationError("shutdown_timeout", args.shutdown_timeout, "must be >= 0 seconds")
     if not 0 <= args.port <= 65535:
         raise ValidationError("port", args.port, "must be in [0, 65535]")
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
@@ -88,13 +95,15 @@ def cmd_serve(args) -> int:
 
     from kvinfer.engine.async_engine import AsyncLLMEngine
     from kvinfer.server.app import create_app, default_model_name
+    from kvinfer.server.lifecycle import GracefulServer
 
     engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
     # A fatal engine failure (a lost tensor-parallel rank) stops the server the way Ctrl-C does; requests in
-    # flight get their 503 first (graceful shutdown), and the exit code says it failed.
+    # flight end with their error first, and the exit code says it failed.
     engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGINT)
     name = args.served_model_name or default_model_name(config)
-    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
+                     shutdown_timeout=args.shutdown_timeout)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
@@ -102,11 +111,13 @@ def cmd_serve(args) -> int:
     print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1, web page at /)",
           file=sys.stderr)
     try:
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
-                                               timeout_graceful_shutdown=10,
-                                               access_log=args.log_level in ("debug", "info")))
+        # The lifecycle drains the requests and stops the engine before uvicorn's own shutdown begins.
+        server = GracefulServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
+                                               timeout_graceful_shutdown=5,
+                                               access_log=args.log_level in ("debug", "info")),
+                                app.state.lifecycle)
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was already graceful
+    except KeyboardInterrupt:  # a Ctrl-C outside the serving loop (before it started): nothing is running
         pass
     finally:
         engine.shutdown()
