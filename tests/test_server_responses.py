@@ -200,7 +200,7 @@ def test_json_schema_format(client, srv):
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens (100000)"),
     ({"input": "word " * 1100}, "input", "context window"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}},
-     "text.format", "text.format='json': the grammar is invalid"),
+     "text.format.schema", "text.format.schema: the grammar is invalid"),
 ])
 def test_bad_requests_get_clear_errors(srv, body, param, says):
     err = assert_error_shape(httpx.post(srv.url + "/v1/responses", json=body), 404 if param == "model" else 400,

@@ -203,6 +203,11 @@ def _no_streamed_prompt_logprobs(body) -> None:
                             "/v1/completions to stream a prompt's logprobs)", param="prompt_logprobs")
 
 
+def _no_stream_options_unstreamed(body) -> None:
+    if body.stream_options is not None and not body.stream:  # as OpenAI
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
 def _prompts_of(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
@@ -217,6 +222,7 @@ def _prompts_of(prompt) -> list:
 def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, SamplingParams]:
     """The prompts (text or token ids, engine-ready) and sampling of a completion request, checked."""
     _no_streamed_prompt_logprobs(body)
+    _no_stream_options_unstreamed(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     n = body.n if body.n is not None else 1
@@ -245,6 +251,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
     """The templated prompt's token ids, sampling, top logprobs (None: no logprobs) and tools of a chat request."""
     tok = srv.need_tokenizer()
     _no_streamed_prompt_logprobs(body)
+    _no_stream_options_unstreamed(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tool_context(body, tok)
@@ -489,9 +496,24 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
 
 
+def _body_parse_error(e: BaseException) -> Optional[APIError]:
+    """What is wrong with a body FastAPI could not parse (it says only 'There was an error parsing the body')."""
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at offset "
+                             f"{cause.start} ({cause.reason}); JSON bodies must be UTF-8", code="invalid_encoding")
+    if isinstance(cause, RecursionError):
+        return APIError(400, "the body's JSON is nested too deeply (objects and arrays inside each other more "
+                             "than ~1000 levels)", code="invalid_json")
+    return None
+
+
 async def _http_error(request: Request, e: StarletteHTTPException):
     if isinstance(e, _BodyTooLarge):
         return e.err.response()
+    parse = _body_parse_error(e) if e.status_code == 400 else None
+    if parse is not None:
+        return (responses_error(parse) if request.url.path.startswith("/v1/responses") else parse).response()
     if e.status_code == 404:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "invalid_request_error",
                                        None, "not_found"), status_code=404)

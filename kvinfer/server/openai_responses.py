@@ -192,6 +192,15 @@ class ResponsesRequest(_Body):
                                           "function tools)", {"kind": kind})
         return tools
 
+    @field_validator("include")
+    @classmethod
+    def _supported_include(cls, v):
+        for i, item in enumerate(v or ()):
+            if item != LOGPROBS_INCLUDE:
+                raise PydanticCustomError("unsupported", "'{item}' (item {i}) is not something this "
+                                          "server can include (only '{ok}')", {"i": i, "item": item, "ok": LOGPROBS_INCLUDE})
+        return v
+
     @field_validator("truncation")
     @classmethod
     def _no_truncation(cls, v):
@@ -323,6 +332,9 @@ def responses_error(e: Exception) -> APIError:
         if head in _PARAMS:
             param = _PARAMS[head] + param[len(head):] if head != "messages" else "input"
     message = re.sub(r"\b(max_tokens|max_completion_tokens)\b", "max_output_tokens", err.message)
+    message = message.replace("response_format.json_schema", "text.format.schema")
+    if param == "text.format.json_schema":
+        param = "text.format.schema"
     return APIError(err.status, message.replace("response_format", "text.format"), err.type, param, err.code)
 
 

@@ -409,4 +409,4 @@ def response_format_spec(fmt: Any) -> Optional[StructuredOutput]:
     if fmt.json_schema is None:
         raise ValidationError("response_format", "json_schema", "type json_schema needs a json_schema object")
     schema = fmt.json_schema.schema_
-    return StructuredOutput(json=closed_objects(schema) if schema else True, param="response_format")
+    return StructuredOutput(json=closed_objects(schema) if schema else True, param="response_format.json_schema")
