@@ -74,3 +74,30 @@ def test_unsupported_responses_include_is_refused(url):
     ok = httpx.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1,
                                                  "include": ["message.output_text.logprobs"]})
     assert ok.status_code == 200, ok.text
+
+
+# ---- the Host header check (DNS rebinding) --------------------------------------------------------------
+def test_loopback_server_answers_only_loopback_host_names():
+    from kvinfer.server.hosts import allowed_hosts_for
+
+    s = start_server(engine_config(), allowed_hosts=allowed_hosts_for("127.0.0.1", ["myhost.lan"]))
+    try:
+        for host in ("evil.example.com", "evil.example.com:8000", "127.0.0.1.nip.io"):
+            r = httpx.get(s.url + "/v1/models", headers={"Host": host})
+            err = assert_error_shape(r, 403, param=None)
+            assert host.split(":")[0] in err["message"] and "--allowed-hosts" in err["message"], err
+        assert httpx.get(s.url + "/", headers={"Host": "evil.example.com"}).status_code == 403  # the page too
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "MyHost.lan:1234", "127.0.0.2"):
+            assert httpx.get(s.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    finally:
+        s.stop()
+
+
+def test_allowed_hosts_for_the_bind_address():
+    from kvinfer.server.hosts import allowed_hosts_for
+
+    assert allowed_hosts_for("127.0.0.1") == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts_for("localhost", ["a.lan,b.lan"]) >= {"a.lan", "b.lan", "localhost"}
+    assert allowed_hosts_for("127.0.0.1", ["*"]) is None
+    assert allowed_hosts_for("0.0.0.0") is None  # bound to the network: the operator's proxy decides
+    assert allowed_hosts_for("0.0.0.0", ["api.example.com"]) == {"api.example.com"}

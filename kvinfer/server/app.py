@@ -20,6 +20,7 @@ from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
+from kvinfer.server.hosts import HostCheckMiddleware
 from kvinfer.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DrainMiddleware, Lifecycle
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
@@ -536,8 +537,10 @@ _HANDLERS = [(APIError, _api_error), (KvinferError, _engine_error), (RequestVali
 # ---- the app -----------------------------------------------------------------------------------------
 def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
-    """The OpenAI-compatible app; the engine must be started (its thread steps the model)."""
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+               allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
+    """The OpenAI-compatible app; the engine must be started (its thread steps the model). `allowed_hosts`:
+    the Host header names it answers (None: any; `kvinfer serve` on loopback passes the loopback names)."""
     model_name = model_name or default_model_name(engine.config)
     app = FastAPI(title="kvinfer", version=_version(),
                   description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
@@ -550,7 +553,9 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
-    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # outermost: a draining server parses nothing
+    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # a draining server parses nothing
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # outermost
     return app
 
 

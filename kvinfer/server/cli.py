@@ -30,6 +30,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", "--max-body-bytes", dest="max_body_bytes", default=DEFAULT_MAX_BODY,
                    help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 before it is parsed "
                         f"(default {DEFAULT_MAX_BODY})")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+                   help="Host header names to answer besides localhost/127.0.0.1/::1 when bound to loopback (other "
+                        "names get 403, against DNS rebinding); when bound elsewhere, the only names answered; "
+                        "'*' answers any")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
                         f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
@@ -95,6 +99,7 @@ def cmd_serve(args) -> int:
 
     from kvinfer.engine.async_engine import AsyncLLMEngine
     from kvinfer.server.app import create_app, default_model_name
+    from kvinfer.server.hosts import allowed_hosts_for
     from kvinfer.server.lifecycle import GracefulServer
 
     engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
@@ -103,7 +108,8 @@ def cmd_serve(args) -> int:
     engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGINT)
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
-                     shutdown_timeout=args.shutdown_timeout)
+                     shutdown_timeout=args.shutdown_timeout,
+                     allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
