@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
@@ -10,7 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -21,9 +20,10 @@ from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
 from kvinfer.server.hosts import HostCheckMiddleware
+from kvinfer.server.limits import BodyTooLarge, GuardMiddleware, body_parse_error
 from kvinfer.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DrainMiddleware, Lifecycle
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
+from kvinfer.server.openai_responses import (ResponseBuilder, ResponsesRequest, ResponseStore,
                                              StoredResponse, chat_request, item_page, response_events,
                                              responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
@@ -37,7 +37,6 @@ log = logging.getLogger("kvinfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/kv/")
 SAMPLING_EPS = 1e-5  # temperature or top_p below this samples greedily
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
@@ -50,63 +49,12 @@ def default_model_name(config) -> str:
     return p.stem if p.suffix == ".gguf" else (p.name or str(config.model))
 
 
-# ---- ASGI middleware: API key and body size, checked before anything parses the body -----------------
-class _GuardMiddleware:
-    def __init__(self, app, api_key: Optional[str], max_body_bytes: int):
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        path = scope.get("path", "")
-        if self.api_key is not None and path.startswith(PROTECTED_PREFIXES):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                msg = "missing API key: send 'Authorization: Bearer <key>'" if not auth else "invalid API key"
-                resp = APIError(401, msg, "invalid_request_error", None, "invalid_api_key").response()
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return await resp(scope, receive, send)
-        limit = self.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes",
-                             "invalid_request_error", None, "request_too_large")
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                n = int(length)
-            except ValueError:
-                n = -1
-            if n > limit:
-                return await too_large.response()(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge(too_large)
-            return msg
-
-        await self.app(scope, limited_receive, send)
-
-
-class _BodyTooLarge(HTTPException):
-    # FastAPI re-raises HTTPException from body reading; any other exception there becomes a generic 400.
-    def __init__(self, err: APIError):
-        super().__init__(413, err.message)
-        self.err = err
-
-
 # ---- the server state --------------------------------------------------------------------------------
 class ServerState:
     """What the routes share: engine, model name, tokenizer, metrics, token text cache (`app.state.server`)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, lifecycle: Optional[Lifecycle] = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, lifecycle: Optional[Lifecycle] = None,
+                 responses_store_bytes: Optional[int] = None):
         self.engine = engine
         self.lifecycle = lifecycle or Lifecycle(engine)
         self.config = engine.config
@@ -116,7 +64,9 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.engine.model_config.vocab_size
-        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id and GET
+        # stored /v1/responses results, for previous_response_id and GET
+        self.responses = ResponseStore(responses_store_bytes)
+        self.metrics.watch_store(self.responses)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -389,8 +339,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.previous_response_id is not None:
         prev = srv.responses.get(body.previous_response_id)
         if prev is None:
-            raise APIError(400, f"previous response {body.previous_response_id!r} not found (this server keeps "
-                                f"the newest {MAX_STORED} stored responses, in memory)",
+            raise APIError(400, f"previous response {body.previous_response_id!r} not found ({_STORE_NOTE})",
                            param="previous_response_id", code="not_found")
         history = prev.conversation
     try:
@@ -411,9 +360,11 @@ async def create_response(body: ResponsesRequest, request: Request):
     return out
 
 
+_STORE_NOTE = "stored responses are kept in memory within --responses-store-size, the oldest dropped first"
+
+
 def _not_stored(response_id: str) -> APIError:
-    return APIError(404, f"response {response_id!r} not found (this server keeps the newest {MAX_STORED} stored "
-                         "responses, in memory)", param="response_id", code="not_found")
+    return APIError(404, f"response {response_id!r} not found ({_STORE_NOTE})", param="response_id", code="not_found")
 
 
 def _stored(srv: ServerState, response_id: str) -> StoredResponse:
@@ -497,22 +448,10 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
 
 
-def _body_parse_error(e: BaseException) -> Optional[APIError]:
-    """What is wrong with a body FastAPI could not parse (it says only 'There was an error parsing the body')."""
-    cause = e.__cause__
-    if isinstance(cause, UnicodeDecodeError):
-        return APIError(400, f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at offset "
-                             f"{cause.start} ({cause.reason}); JSON bodies must be UTF-8", code="invalid_encoding")
-    if isinstance(cause, RecursionError):
-        return APIError(400, "the body's JSON is nested too deeply (objects and arrays inside each other more "
-                             "than ~1000 levels)", code="invalid_json")
-    return None
-
-
 async def _http_error(request: Request, e: StarletteHTTPException):
-    if isinstance(e, _BodyTooLarge):
+    if isinstance(e, BodyTooLarge):
         return e.err.response()
-    parse = _body_parse_error(e) if e.status_code == 400 else None
+    parse = body_parse_error(e) if e.status_code == 400 else None
     if parse is not None:
         return (responses_error(parse) if request.url.path.startswith("/v1/responses") else parse).response()
     if e.status_code == 404:
@@ -538,21 +477,22 @@ _HANDLERS = [(APIError, _api_error), (KvinferError, _engine_error), (RequestVali
 def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-               allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
+               allowed_hosts: Optional[frozenset[str]] = None,
+               responses_store_bytes: Optional[int] = None) -> FastAPI:
     """The OpenAI-compatible app; the engine must be started (its thread steps the model). `allowed_hosts`:
     the Host header names it answers (None: any; `kvinfer serve` on loopback passes the loopback names)."""
     model_name = model_name or default_model_name(engine.config)
     app = FastAPI(title="kvinfer", version=_version(),
                   description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
     app.state.lifecycle = lifecycle = Lifecycle(engine, shutdown_timeout)
-    app.state.server = ServerState(engine, model_name, lifecycle)
+    app.state.server = ServerState(engine, model_name, lifecycle, responses_store_bytes)
     for exc, handler in _HANDLERS:
         app.add_exception_handler(exc, handler)
     for method, path, route, documented in _ROUTES:
         app.add_api_route(path, route, methods=[method], responses=_ERRORS if documented else None)
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
-    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # a draining server parses nothing
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # outermost

@@ -34,6 +34,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="Host header names to answer besides localhost/127.0.0.1/::1 when bound to loopback (other "
                         "names get 403, against DNS rebinding); when bound elsewhere, the only names answered; "
                         "'*' answers any")
+    g.add_argument("--responses-store-size", default=None, metavar="SIZE",
+                   help="memory for responses kept by store: true on /v1/responses, e.g. 256MiB; every stored byte "
+                        "counts and the oldest go first (default 1/32 of RAM, at most 1GiB)")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
                         f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
@@ -88,6 +91,8 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValidationError("port", args.port, "must be in [0, 65535]")
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
+    store_bytes = None if args.responses_store_size is None else parse_size(args.responses_store_size,
+                                                                           "responses_store_size")
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValidationError("model", args.model_tag, f"differs from --model {args.model!r} (give one of them)")
@@ -109,7 +114,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
                      shutdown_timeout=args.shutdown_timeout,
-                     allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts))
+                     allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                     responses_store_bytes=store_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)

@@ -65,6 +65,21 @@ class _EngineCollector:
                           "Tokens emitted per verification (accepted proposals + the target's own).", length)
 
 
+class _StoreCollector(_EngineCollector):
+    def __init__(self, store, model_name: str):
+        self.store = store
+        self._labels = {"model_name": model_name}
+
+    def collect(self):
+        st = self.store
+        yield self._gauge("kvinfer_responses_stored", "Responses kept for previous_response_id and GET.", len(st.items))
+        yield self._gauge("kvinfer_responses_store_bytes", "Bytes (as UTF-8 JSON) the stored responses hold.", st.bytes)
+        yield self._gauge("kvinfer_responses_store_limit_bytes", "The store's budget (--responses-store-size).",
+                          st.max_bytes)
+        yield self._counter("kvinfer_responses_evicted", "Stored responses dropped, oldest first, to stay within "
+                                                          "the budget.", st.evicted)
+
+
 class ServerMetrics:
     """One registry per server, so two servers in a process (tests, benchmarks) never share counters."""
 
@@ -79,6 +94,10 @@ class ServerMetrics:
         self._requests = Counter("kvinfer_request_success", "Requests finished, by finish reason.",
                                  labels + ["finished_reason"], registry=self.registry)
         self._model = model_name
+
+    def watch_store(self, store) -> None:
+        """Report a Responses store's size, budget and evictions at scrape time."""
+        self.registry.register(_StoreCollector(store, self._model))
 
     def request_finished(self, reason: Optional[str]) -> None:
         self._requests.labels(self._model, reason or "abort").inc()
