@@ -302,7 +302,8 @@ def from_engine_error(e: KvinferError) -> APIError:
         return APIError(400, str(e), "invalid_request_error", e.param, "context_length_exceeded")
     if isinstance(e, ValidationError):
         # A schema's error names where the schema is, not the grammar kind ("invalid response_format='json'").
-        msg = f"{e.param}: {e.reason}" if e.param == "response_format.json_schema" else str(e)
+        msg = f"{e.param}: {e.reason}" if e.value == "json" and e.param.startswith(("response_format", "tools")) \
+            else str(e)
         return APIError(400, msg, "invalid_request_error", e.param, "invalid_value")
     return APIError(400, str(e), "invalid_request_error", getattr(e, "param", None), None)
 
