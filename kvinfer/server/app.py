@@ -19,6 +19,7 @@ from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
+from kvinfer.server.activity import server_logger
 from kvinfer.server.hosts import HostCheckMiddleware
 from kvinfer.server.limits import BodyTooLarge, GuardMiddleware, body_parse_error
 from kvinfer.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DrainMiddleware, Lifecycle
@@ -478,7 +479,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                allowed_hosts: Optional[frozenset[str]] = None,
-               responses_store_bytes: Optional[int] = None) -> FastAPI:
+               responses_store_bytes: Optional[int] = None, access_log: bool = False) -> FastAPI:
     """The OpenAI-compatible app; the engine must be started (its thread steps the model). `allowed_hosts`:
     the Host header names it answers (None: any; `kvinfer serve` on loopback passes the loopback names)."""
     model_name = model_name or default_model_name(engine.config)
@@ -486,6 +487,8 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
                   description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
     app.state.lifecycle = lifecycle = Lifecycle(engine, shutdown_timeout)
     app.state.server = ServerState(engine, model_name, lifecycle, responses_store_bytes)
+    if access_log:  # one line per finished request
+        app.state.server.metrics.access_log = server_logger()
     for exc, handler in _HANDLERS:
         app.add_exception_handler(exc, handler)
     for method, path, route, documented in _ROUTES:

@@ -37,6 +37,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--responses-store-size", default=None, metavar="SIZE",
                    help="memory for responses kept by store: true on /v1/responses, e.g. 256MiB; every stored byte "
                         "counts and the oldest go first (default 1/32 of RAM, at most 1GiB)")
+    g.add_argument("--quiet", action="store_true",
+                   help="no access line per finished request and no periodic engine line on stderr")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
                         f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
@@ -105,6 +107,7 @@ def cmd_serve(args) -> int:
     from kvinfer.engine.async_engine import AsyncLLMEngine
     from kvinfer.server.app import create_app, default_model_name
     from kvinfer.server.hosts import allowed_hosts_for
+    from kvinfer.server.activity import EngineLine, server_logger
     from kvinfer.server.lifecycle import GracefulServer
 
     engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
@@ -115,13 +118,14 @@ def cmd_serve(args) -> int:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
                      shutdown_timeout=args.shutdown_timeout,
                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
-                     responses_store_bytes=store_bytes)
+                     responses_store_bytes=store_bytes, access_log=not args.quiet)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
     port = sock.getsockname()[1]
     print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1, web page at /)",
           file=sys.stderr)
+    engine_line = None if args.quiet else EngineLine(engine.stats, server_logger()).start()
     try:
         # The lifecycle drains the requests and stops the engine before uvicorn's own shutdown begins.
         server = GracefulServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
@@ -132,6 +136,8 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:  # a Ctrl-C outside the serving loop (before it started): nothing is running
         pass
     finally:
+        if engine_line is not None:
+            engine_line.stop()
         engine.shutdown()
     if engine._dead is not None:
         print(f"kvinfer: error: {engine._dead}", file=sys.stderr)

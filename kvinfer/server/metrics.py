@@ -99,6 +99,16 @@ class ServerMetrics:
         """Report a Responses store's size, budget and evictions at scrape time."""
         self.registry.register(_StoreCollector(store, self._model))
 
+    access_log = None  # a logging.Logger: one line per finished request (`kvinfer serve` without --quiet)
+
+    def request_done(self, out) -> None:
+        for o in out.outputs:
+            self.request_finished(o.finish_reason)
+        if self.access_log is not None:
+            from kvinfer.server.activity import access_line
+
+            self.access_log.info(access_line(out))
+
     def request_finished(self, reason: Optional[str]) -> None:
         self._requests.labels(self._model, reason or "abort").inc()
 
@@ -130,5 +140,4 @@ class LatencyTracker:
                     self._metrics.itl.observe(gap)
         self._last[out.request_id] = m.last_token_time
         if out.finished:
-            for o in out.outputs:
-                self._metrics.request_finished(o.finish_reason)
+            self._metrics.request_done(out)
