@@ -95,6 +95,9 @@ def cmd_serve(args) -> int:
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
     store_bytes = None if args.responses_store_size is None else parse_size(args.responses_store_size,
                                                                            "responses_store_size")
+    from kvinfer.server.hosts import allowed_hosts_for
+
+    allowed_hosts = allowed_hosts_for(args.host, args.allowed_hosts)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValidationError("model", args.model_tag, f"differs from --model {args.model!r} (give one of them)")
@@ -106,7 +109,6 @@ def cmd_serve(args) -> int:
 
     from kvinfer.engine.async_engine import AsyncLLMEngine
     from kvinfer.server.app import create_app, default_model_name
-    from kvinfer.server.hosts import allowed_hosts_for
     from kvinfer.server.activity import EngineLine, server_logger
     from kvinfer.server.lifecycle import GracefulServer
 
@@ -117,7 +119,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
                      shutdown_timeout=args.shutdown_timeout,
-                     allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                     allowed_hosts=allowed_hosts,
                      responses_store_bytes=store_bytes, access_log=not args.quiet)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",

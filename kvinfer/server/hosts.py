@@ -4,9 +4,11 @@ that a web page the user visits cannot reach it through DNS rebinding (a name of
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Iterable, Optional
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?|[0-9a-f:.]+")
 
 
 def is_loopback(host: str) -> bool:
@@ -22,6 +24,12 @@ def allowed_hosts_for(bind_host: str, extra: Iterable[str] = ()) -> Optional[fro
     """The Host names to accept (None: any). Bound to loopback: loopback names plus `extra`; elsewhere only `extra`
     restricts; '*' in `extra` accepts any."""
     extra = [h.strip().lower() for item in extra for h in item.split(",") if h.strip()]
+    for h in extra:
+        if h != "*" and not _NAME.fullmatch(h):
+            from kvinfer.errors import ValidationError
+
+            raise ValidationError("allowed_hosts", h, "is not a host name or address (give names such as "
+                                                      "myhost.lan or 192.168.1.5, without scheme or port, or '*')")
     if "*" in extra:
         return None
     if not is_loopback(bind_host):
