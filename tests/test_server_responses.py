@@ -200,7 +200,7 @@ def test_json_schema_format(client, srv):
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens (100000)"),
     ({"input": "word " * 1100}, "input", "context window"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}},
-     "text.format", "text.format='json': the grammar is invalid"),
+     "text.format.schema", "text.format.schema: the grammar is invalid"),
 ])
 def test_bad_requests_get_clear_errors(srv, body, param, says):
     err = assert_error_shape(httpx.post(srv.url + "/v1/responses", json=body), 404 if param == "model" else 400,
@@ -209,15 +209,19 @@ def test_bad_requests_get_clear_errors(srv, body, param, says):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
 
 
-def test_store_keeps_the_newest_within_its_bounds():
-    store = ResponseStore(max_items=3, max_chars=100)
+def test_store_keeps_the_newest_within_its_byte_budget():
+    store = ResponseStore(max_bytes=400)
     conv = lambda n: [{"role": "user", "content": "x" * n}]  # noqa: E731
     for i in range(4):
-        store.put({"id": f"r{i}"}, conv(10))
-    assert store.get("r0") is None and [store.get(f"r{i}").body["id"] for i in (1, 2, 3)] == ["r1", "r2", "r3"]
-    store.put({"id": "big"}, conv(95))  # over the character bound with any other: only it stays
-    assert [k for k in store.items] == ["big"] and store.chars == 95
-    assert store.delete("big") and not store.delete("big") and store.chars == 0
+        store.put({"id": f"r{i}"}, conv(40))  # 83 bytes of JSON each
+    assert store.bytes == sum(e.size for e in store.items.values()) == 4 * store.items["r0"].size <= 400
+    assert store.get("r0") is not None and store.evicted == 0
+    store.put({"id": "big", "metadata": {"k": "y" * 150}}, conv(10))  # the body's bytes count too
+    assert store.get("r0") is None and store.get("big") is not None and store.evicted >= 1
+    store.put({"id": "huge"}, conv(400))  # could never fit: not kept, nothing else dropped for it
+    assert store.get("huge") is None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big")
+    assert store.bytes == sum(e.size for e in store.items.values())
 
 
 def _events(srv, body) -> list[dict]:

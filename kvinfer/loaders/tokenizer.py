@@ -139,6 +139,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+_LONG_TEXT = 1 << 16  # characters; longer texts are encoded without holding the GIL (a server's other threads run)
+
+
 class _TemplateRaised(Exception):
     """A template called raise_exception(): the messages break a rule of the model's chat format."""
 
@@ -408,7 +411,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValidationError("text", type(text).__name__, "must be a str")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _LONG_TEXT:  # the batch call releases the GIL while it works (the single one holds it)
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             if self._add_bos:
                 ids.insert(0, self._bos_id)

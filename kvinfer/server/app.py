@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app: a server state, its routes as plain functions, errors, a serving thread."""
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import threading
 import time
@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -19,8 +19,12 @@ from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
+from kvinfer.server.activity import server_logger
+from kvinfer.server.hosts import HostCheckMiddleware
+from kvinfer.server.limits import BodyTooLarge, GuardMiddleware, body_parse_error
+from kvinfer.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DrainMiddleware, Lifecycle
 from kvinfer.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, ResponsesRequest, ResponseStore,
+from kvinfer.server.openai_responses import (ResponseBuilder, ResponsesRequest, ResponseStore,
                                              StoredResponse, chat_request, item_page, response_events,
                                              responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
@@ -35,7 +39,6 @@ log = logging.getLogger("kvinfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/kv/")
 SAMPLING_EPS = 1e-5  # temperature or top_p below this samples greedily
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
@@ -48,64 +51,14 @@ def default_model_name(config) -> str:
     return p.stem if p.suffix == ".gguf" else (p.name or str(config.model))
 
 
-# ---- ASGI middleware: API key and body size, checked before anything parses the body -----------------
-class _GuardMiddleware:
-    def __init__(self, app, api_key: Optional[str], max_body_bytes: int):
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        path = scope.get("path", "")
-        if self.api_key is not None and path.startswith(PROTECTED_PREFIXES):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                msg = "missing API key: send 'Authorization: Bearer <key>'" if not auth else "invalid API key"
-                resp = APIError(401, msg, "invalid_request_error", None, "invalid_api_key").response()
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return await resp(scope, receive, send)
-        limit = self.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes",
-                             "invalid_request_error", None, "request_too_large")
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                n = int(length)
-            except ValueError:
-                n = -1
-            if n > limit:
-                return await too_large.response()(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge(too_large)
-            return msg
-
-        await self.app(scope, limited_receive, send)
-
-
-class _BodyTooLarge(HTTPException):
-    # FastAPI re-raises HTTPException from body reading; any other exception there becomes a generic 400.
-    def __init__(self, err: APIError):
-        super().__init__(413, err.message)
-        self.err = err
-
-
 # ---- the server state --------------------------------------------------------------------------------
 class ServerState:
     """What the routes share: engine, model name, tokenizer, metrics, token text cache (`app.state.server`)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, lifecycle: Optional[Lifecycle] = None,
+                 responses_store_bytes: Optional[int] = None):
         self.engine = engine
+        self.lifecycle = lifecycle or Lifecycle(engine)
         self.config = engine.config
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -114,7 +67,9 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.engine.model_config.vocab_size
-        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id and GET
+        # stored /v1/responses results, for previous_response_id and GET
+        self.responses = ResponseStore(responses_store_bytes)
+        self.metrics.watch_store(self.responses)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -131,11 +86,17 @@ class ServerState:
         """The generation routes' one call into the engine: one engine request per prompt, one stream."""
         base = f"{prefix}-{uuid.uuid4().hex}"
         reqs = [(base if len(prompts) == 1 else f"{base}-{i}", p, params) for i, p in enumerate(prompts)]
-        return await self.engine.add_requests(reqs)
+        return self.lifecycle.track(await self.engine.add_requests(reqs))
 
 
 def _server(request: Request) -> ServerState:
     return request.app.state.server
+
+
+async def _off_loop(fn, *args):
+    """Run request preparation (templating, tokenizing, schema compilation) on a worker thread, so that a big
+    body does not pause every other stream and /health while it is processed."""
+    return await asyncio.to_thread(fn, *args)
 
 
 # ---- request bodies to prompts and SamplingParams ----------------------------------------------------
@@ -196,6 +157,11 @@ def _no_streamed_prompt_logprobs(body) -> None:
                             "/v1/completions to stream a prompt's logprobs)", param="prompt_logprobs")
 
 
+def _no_stream_options_unstreamed(body) -> None:
+    if body.stream_options is not None and not body.stream:  # as OpenAI
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
 def _prompts_of(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
@@ -210,6 +176,7 @@ def _prompts_of(prompt) -> list:
 def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, SamplingParams]:
     """The prompts (text or token ids, engine-ready) and sampling of a completion request, checked."""
     _no_streamed_prompt_logprobs(body)
+    _no_stream_options_unstreamed(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     n = body.n if body.n is not None else 1
@@ -238,6 +205,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
     """The templated prompt's token ids, sampling, top logprobs (None: no logprobs) and tools of a chat request."""
     tok = srv.need_tokenizer()
     _no_streamed_prompt_logprobs(body)
+    _no_stream_options_unstreamed(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tool_context(body, tok)
@@ -315,6 +283,10 @@ async def model(model_id: str, request: Request):
 async def tokenize(body: TokenizeRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
+    return await _off_loop(_tokenize, srv, body)
+
+
+def _tokenize(srv: ServerState, body: TokenizeRequest) -> dict:
     tok = srv.need_tokenizer()
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -346,7 +318,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
-    prompts, params = _completion_input(srv, body)
+    prompts, params = await _off_loop(_completion_input, srv, body)
     stream = await srv.admit(prompts, params, "cmpl")
     reply = CompletionReply(srv.model_name, stream, srv.token_text, prompts, params.n, bool(body.echo),
                             body.logprobs, body.prompt_logprobs)
@@ -356,7 +328,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     srv = _server(request)
     srv.check_model(body.model)
-    ids, params, k, tools = _chat_input(srv, body)
+    ids, params, k, tools = await _off_loop(_chat_input, srv, body)
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
     reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
@@ -370,12 +342,11 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.previous_response_id is not None:
         prev = srv.responses.get(body.previous_response_id)
         if prev is None:
-            raise APIError(400, f"previous response {body.previous_response_id!r} not found (this server keeps "
-                                f"the newest {MAX_STORED} stored responses, in memory)",
+            raise APIError(400, f"previous response {body.previous_response_id!r} not found ({_STORE_NOTE})",
                            param="previous_response_id", code="not_found")
         history = prev.conversation
     try:
-        ids, params, k, tools = _chat_input(srv, chat_request(body, history))
+        ids, params, k, tools = await _off_loop(lambda: _chat_input(srv, chat_request(body, history)))
         stream = await srv.admit([ids], params, "resp")
     except (APIError, KvinferError) as e:
         raise responses_error(e) from None
@@ -392,9 +363,11 @@ async def create_response(body: ResponsesRequest, request: Request):
     return out
 
 
+_STORE_NOTE = "stored responses are kept in memory within --responses-store-size, the oldest dropped first"
+
+
 def _not_stored(response_id: str) -> APIError:
-    return APIError(404, f"response {response_id!r} not found (this server keeps the newest {MAX_STORED} stored "
-                         "responses, in memory)", param="response_id", code="not_found")
+    return APIError(404, f"response {response_id!r} not found ({_STORE_NOTE})", param="response_id", code="not_found")
 
 
 def _stored(srv: ServerState, response_id: str) -> StoredResponse:
@@ -479,8 +452,11 @@ async def _validation_error(request: Request, e: RequestValidationError):
 
 
 async def _http_error(request: Request, e: StarletteHTTPException):
-    if isinstance(e, _BodyTooLarge):
+    if isinstance(e, BodyTooLarge):
         return e.err.response()
+    parse = body_parse_error(e) if e.status_code == 400 else None
+    if parse is not None:
+        return (responses_error(parse) if request.url.path.startswith("/v1/responses") else parse).response()
     if e.status_code == 404:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "invalid_request_error",
                                        None, "not_found"), status_code=404)
@@ -502,19 +478,29 @@ _HANDLERS = [(APIError, _api_error), (KvinferError, _engine_error), (RequestVali
 
 # ---- the app -----------------------------------------------------------------------------------------
 def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key: Optional[str] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The OpenAI-compatible app; the engine must be started (its thread steps the model)."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+               allowed_hosts: Optional[frozenset[str]] = None,
+               responses_store_bytes: Optional[int] = None, access_log: bool = False) -> FastAPI:
+    """The OpenAI-compatible app; the engine must be started (its thread steps the model). `allowed_hosts`:
+    the Host header names it answers (None: any; `kvinfer serve` on loopback passes the loopback names)."""
     model_name = model_name or default_model_name(engine.config)
     app = FastAPI(title="kvinfer", version=_version(),
                   description="OpenAI-compatible completions, chat completions and responses served by kvinfer.")
-    app.state.server = ServerState(engine, model_name)
+    app.state.lifecycle = lifecycle = Lifecycle(engine, shutdown_timeout)
+    app.state.server = ServerState(engine, model_name, lifecycle, responses_store_bytes)
+    if access_log:  # one line per finished request
+        app.state.server.metrics.access_log = server_logger()
     for exc, handler in _HANDLERS:
         app.add_exception_handler(exc, handler)
     for method, path, route, documented in _ROUTES:
         app.add_api_route(path, route, methods=[method], responses=_ERRORS if documented else None)
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
-    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # a draining server parses nothing
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # outermost
     return app
 
 

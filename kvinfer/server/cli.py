@@ -9,6 +9,7 @@ import sys
 
 DEFAULT_MAX_QUEUE = 256  # mirrors kvinfer.engine.async_engine; kept here so `--help` does not import torch
 DEFAULT_MAX_BODY = "4MiB"
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # mirrors kvinfer.server.lifecycle
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -26,8 +27,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int_at_least("--max-queue", 0), default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait beyond --max-num-seqs running ones; more get 429 "
                         f"(default {DEFAULT_MAX_QUEUE})")
-    g.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY,
-                   help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--max-request-bytes", "--max-body-bytes", dest="max_body_bytes", default=DEFAULT_MAX_BODY,
+                   help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 before it is parsed "
+                        f"(default {DEFAULT_MAX_BODY})")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+                   help="Host header names to answer besides localhost/127.0.0.1/::1 when bound to loopback (other "
+                        "names get 403, against DNS rebinding); when bound elsewhere, the only names answered; "
+                        "'*' answers any")
+    g.add_argument("--responses-store-size", default=None, metavar="SIZE",
+                   help="memory for responses kept by store: true on /v1/responses, e.g. 256MiB; every stored byte "
+                        "counts and the oldest go first (default 1/32 of RAM, at most 1GiB)")
+    g.add_argument("--quiet", action="store_true",
+                   help="no access line per finished request and no periodic engine line on stderr")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
+                        f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
 
 
 def register(subparsers) -> None:
@@ -74,9 +88,16 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ValidationError("max_queue", args.max_queue, "must be >= 0")
+    if not args.shutdown_timeout >= 0:
+        raise ValidationError("shutdown_timeout", args.shutdown_timeout, "must be >= 0 seconds")
     if not 0 <= args.port <= 65535:
         raise ValidationError("port", args.port, "must be in [0, 65535]")
     max_body = parse_size(args.max_body_bytes, "max_body_bytes")
+    store_bytes = None if args.responses_store_size is None else parse_size(args.responses_store_size,
+                                                                           "responses_store_size")
+    from kvinfer.server.hosts import allowed_hosts_for
+
+    allowed_hosts = allowed_hosts_for(args.host, args.allowed_hosts)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValidationError("model", args.model_tag, f"differs from --model {args.model!r} (give one of them)")
@@ -88,27 +109,37 @@ def cmd_serve(args) -> int:
 
     from kvinfer.engine.async_engine import AsyncLLMEngine
     from kvinfer.server.app import create_app, default_model_name
+    from kvinfer.server.activity import EngineLine, server_logger
+    from kvinfer.server.lifecycle import GracefulServer
 
     engine = AsyncLLMEngine.from_config(config, max_queue=args.max_queue)
     # A fatal engine failure (a lost tensor-parallel rank) stops the server the way Ctrl-C does; requests in
-    # flight get their 503 first (graceful shutdown), and the exit code says it failed.
+    # flight end with their error first, and the exit code says it failed.
     engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGINT)
     name = args.served_model_name or default_model_name(config)
-    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body,
+                     shutdown_timeout=args.shutdown_timeout,
+                     allowed_hosts=allowed_hosts,
+                     responses_store_bytes=store_bytes, access_log=not args.quiet)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
     port = sock.getsockname()[1]
     print(f"kvinfer: serving {name!r} on http://{args.host}:{port} (OpenAI API at /v1, web page at /)",
           file=sys.stderr)
+    engine_line = None if args.quiet else EngineLine(engine.stats, server_logger()).start()
     try:
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
-                                               timeout_graceful_shutdown=10,
-                                               access_log=args.log_level in ("debug", "info")))
+        # The lifecycle drains the requests and stops the engine before uvicorn's own shutdown begins.
+        server = GracefulServer(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30,
+                                               timeout_graceful_shutdown=5,
+                                               access_log=args.log_level in ("debug", "info")),
+                                app.state.lifecycle)
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was already graceful
+    except KeyboardInterrupt:  # a Ctrl-C outside the serving loop (before it started): nothing is running
         pass
     finally:
+        if engine_line is not None:
+            engine_line.stop()
         engine.shutdown()
     if engine._dead is not None:
         print(f"kvinfer: error: {engine._dead}", file=sys.stderr)

@@ -65,6 +65,21 @@ class _EngineCollector:
                           "Tokens emitted per verification (accepted proposals + the target's own).", length)
 
 
+class _StoreCollector(_EngineCollector):
+    def __init__(self, store, model_name: str):
+        self.store = store
+        self._labels = {"model_name": model_name}
+
+    def collect(self):
+        st = self.store
+        yield self._gauge("kvinfer_responses_stored", "Responses kept for previous_response_id and GET.", len(st.items))
+        yield self._gauge("kvinfer_responses_store_bytes", "Bytes (as UTF-8 JSON) the stored responses hold.", st.bytes)
+        yield self._gauge("kvinfer_responses_store_limit_bytes", "The store's budget (--responses-store-size).",
+                          st.max_bytes)
+        yield self._counter("kvinfer_responses_evicted", "Stored responses dropped, oldest first, to stay within "
+                                                          "the budget.", st.evicted)
+
+
 class ServerMetrics:
     """One registry per server, so two servers in a process (tests, benchmarks) never share counters."""
 
@@ -79,6 +94,20 @@ class ServerMetrics:
         self._requests = Counter("kvinfer_request_success", "Requests finished, by finish reason.",
                                  labels + ["finished_reason"], registry=self.registry)
         self._model = model_name
+
+    def watch_store(self, store) -> None:
+        """Report a Responses store's size, budget and evictions at scrape time."""
+        self.registry.register(_StoreCollector(store, self._model))
+
+    access_log = None  # a logging.Logger: one line per finished request (`kvinfer serve` without --quiet)
+
+    def request_done(self, out) -> None:
+        for o in out.outputs:
+            self.request_finished(o.finish_reason)
+        if self.access_log is not None:
+            from kvinfer.server.activity import access_line
+
+            self.access_log.info(access_line(out))
 
     def request_finished(self, reason: Optional[str]) -> None:
         self._requests.labels(self._model, reason or "abort").inc()
@@ -111,5 +140,4 @@ class LatencyTracker:
                     self._metrics.itl.observe(gap)
         self._last[out.request_id] = m.last_token_time
         if out.finished:
-            for o in out.outputs:
-                self._metrics.request_finished(o.finish_reason)
+            self._metrics.request_done(out)

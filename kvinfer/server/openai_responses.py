@@ -5,8 +5,6 @@ import logging
 import re
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 import pydantic
@@ -17,6 +15,7 @@ from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import (_CONFIG, APIError, ChatCompletionRequest, FunctionDefinition, MAX_TOOLS, _Body,
                                      from_engine_error)
+from kvinfer.server.response_store import ResponseStore, StoredResponse  # noqa: F401 (re-exported)
 from kvinfer.server.responses import ChatReply, sse, usage
 from kvinfer.sampling_params import MAX_LOGPROBS
 
@@ -25,8 +24,6 @@ log = logging.getLogger("kvinfer.server")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16
 # Stored responses (for previous_response_id and GET): the newest ones, up to this many and this much text.
-MAX_STORED = 1000
-MAX_STORED_CHARS = 64 << 20
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -131,7 +128,7 @@ class ResponsesRequest(_Body):
                                         "previous_response_id)")
     previous_response_id: Optional[str] = Field(None, description="continue a stored response's conversation")
     store: Optional[bool] = Field(True, description="keep the response for previous_response_id and GET (in "
-                                  f"memory, the newest {MAX_STORED})")
+                                  "memory, the newest within the server's --responses-store-size)")
     max_output_tokens: Optional[int] = Field(None, ge=1, description="default: the rest of the context window")
     temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
     top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0)
@@ -191,6 +188,15 @@ class ResponsesRequest(_Body):
                 raise PydanticCustomError("unsupported_tool", "tools of type '{kind}' are not supported (only "
                                           "function tools)", {"kind": kind})
         return tools
+
+    @field_validator("include")
+    @classmethod
+    def _supported_include(cls, v):
+        for i, item in enumerate(v or ()):
+            if item != LOGPROBS_INCLUDE:
+                raise PydanticCustomError("unsupported", "'{item}' (item {i}) is not something this "
+                                          "server can include (only '{ok}')", {"i": i, "item": item, "ok": LOGPROBS_INCLUDE})
+        return v
 
     @field_validator("truncation")
     @classmethod
@@ -323,42 +329,10 @@ def responses_error(e: Exception) -> APIError:
         if head in _PARAMS:
             param = _PARAMS[head] + param[len(head):] if head != "messages" else "input"
     message = re.sub(r"\b(max_tokens|max_completion_tokens)\b", "max_output_tokens", err.message)
+    message = message.replace("response_format.json_schema", "text.format.schema")
+    if param == "text.format.json_schema":
+        param = "text.format.schema"
     return APIError(err.status, message.replace("response_format", "text.format"), err.type, param, err.code)
-
-
-# ---- stored responses ----------------------------------------------------------------------------------
-@dataclass
-class StoredResponse:
-    body: dict  # the response as it was returned
-    conversation: list[dict]  # chat messages up to and including its answer (for previous_response_id)
-    inputs: list[dict]  # the items of its own input (GET .../input_items)
-    chars: int  # the text it holds, counted against the store's bound
-
-
-class ResponseStore:
-    """The newest responses in memory, within a count and a text bound."""
-
-    def __init__(self, max_items: int = MAX_STORED, max_chars: int = MAX_STORED_CHARS):
-        self.max_items, self.max_chars = max_items, max_chars
-        self.items: OrderedDict[str, StoredResponse] = OrderedDict()
-        self.chars = 0
-
-    def put(self, body: dict, conversation: list[dict], inputs: Optional[list[dict]] = None) -> None:
-        size = sum(len(m.get("content") or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
-                   for m in conversation)
-        self.items[body["id"]] = StoredResponse(body, conversation, inputs or [], size)
-        self.chars += size
-        while self.items and (len(self.items) > self.max_items or self.chars > self.max_chars):
-            self.chars -= self.items.popitem(last=False)[1].chars
-
-    def get(self, response_id: str) -> Optional[StoredResponse]:
-        return self.items.get(response_id)
-
-    def delete(self, response_id: str) -> bool:
-        entry = self.items.pop(response_id, None)
-        if entry is not None:
-            self.chars -= entry.chars
-        return entry is not None
 
 
 # ---- responses from chat outputs -----------------------------------------------------------------------

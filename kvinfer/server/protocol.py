@@ -36,8 +36,8 @@ def _lone_surrogate_path(value: Any, path: str = "body") -> Optional[str]:
         return None if _is_unicode(value) else path
     if isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(k, str) and not _is_unicode(k):
-                return path
+            if isinstance(k, str) and not _is_unicode(k):  # a key: name the object that holds it
+                return "a field name" if path == "body" else f"a key in {path}"
             bad = _lone_surrogate_path(v, str(k) if path == "body" else f"{path}.{k}")
             if bad:
                 return bad
@@ -59,8 +59,11 @@ class _Body(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         bad = _lone_surrogate_path(data)
         if bad:
-            raise PydanticCustomError("unicode_surrogate", "{param}: the string holds a lone UTF-16 surrogate, "
-                                      "which is not valid Unicode", {"param": bad})
+            where = bad.split(" in ", 1)[1] if bad.startswith("a key in ") else None if bad == "a field name" \
+                else bad
+            raise PydanticCustomError("unicode_surrogate", "{what} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF "
+                                      "escape without its pair), which is not valid Unicode",
+                                      {"param": where, "what": bad})
         return data
 
 
@@ -298,7 +301,10 @@ def from_engine_error(e: KvinferError) -> APIError:
     if isinstance(e, RequestTooLargeError):
         return APIError(400, str(e), "invalid_request_error", e.param, "context_length_exceeded")
     if isinstance(e, ValidationError):
-        return APIError(400, str(e), "invalid_request_error", e.param, "invalid_value")
+        # A schema's error names where the schema is, not the grammar kind ("invalid response_format='json'").
+        msg = f"{e.param}: {e.reason}" if e.value == "json" and e.param.startswith(("response_format", "tools")) \
+            else str(e)
+        return APIError(400, msg, "invalid_request_error", e.param, "invalid_value")
     return APIError(400, str(e), "invalid_request_error", getattr(e, "param", None), None)
 
 

@@ -71,6 +71,23 @@ def _parameters(tool: dict) -> dict:
     return closed_objects(params) if params else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+def _rebased(schema: Any, base: str, where: str) -> Any:
+    """The schema with each local `$ref` ('#', '#/$defs/X', ...) pointing below `base`, where it is placed inside
+    a larger schema: a ref resolves against the schema it appears in, not against the wrapper around it."""
+    if isinstance(schema, list):
+        return [_rebased(x, base, where) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base, where) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if ref is not None:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValidationError(where, ref, "$ref must point inside the schema ('#' or '#/...'); references to "
+                                              "other documents are not supported")
+        out["$ref"] = "#" + base + ref[1:]
+    return out
+
+
 def forced_call_spec(tools: list[dict], choice: Any, parallel: bool) -> tuple[StructuredOutput, Optional[str]]:
     """The grammar of a forced call, and the function name when it is a named one.
 
@@ -78,10 +95,14 @@ def forced_call_spec(tools: list[dict], choice: Any, parallel: bool) -> tuple[St
     calls to listed functions (one item when parallel_tool_calls is false), the way vLLM forces calls.
     """
     if isinstance(choice, str):
+        # Each function's parameters sit under $defs, so that their refs ('#' included) resolve within them.
+        defs = {f"tool{i}": _rebased(_parameters(t), f"/$defs/tool{i}", f"tools[{i}].function.parameters")
+                for i, t in enumerate(tools)}
         items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "arguments": _parameters(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                                                   "arguments": {"$ref": f"#/$defs/tool{i}"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items},
+                  "$defs": defs}
         if not parallel:
             schema["maxItems"] = 1
         return StructuredOutput(json=schema, param="tools"), None
@@ -89,7 +110,8 @@ def forced_call_spec(tools: list[dict], choice: Any, parallel: bool) -> tuple[St
     tool = next((t for t in tools if t["function"]["name"] == name), None)
     if tool is None:
         raise ValidationError("tool_choice", name, "names no function listed in tools")
-    return StructuredOutput(json=_parameters(tool), param=f"tools[{tools.index(tool)}].function.parameters"), name
+    where = f"tools[{tools.index(tool)}].function.parameters"
+    return StructuredOutput(json=_rebased(_parameters(tool), "", where), param=where), name
 
 
 def parse_forced(text: str, name: Optional[str]) -> list[ToolCall]:
@@ -409,4 +431,4 @@ def response_format_spec(fmt: Any) -> Optional[StructuredOutput]:
     if fmt.json_schema is None:
         raise ValidationError("response_format", "json_schema", "type json_schema needs a json_schema object")
     schema = fmt.json_schema.schema_
-    return StructuredOutput(json=closed_objects(schema) if schema else True, param="response_format")
+    return StructuredOutput(json=closed_objects(schema) if schema else True, param="response_format.json_schema")
