@@ -45,3 +45,60 @@ def test_server_chat_body_defaults_come_from_the_model():
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.9, top_k=5)
     p = _sampling_params(body, None, None, {"temperature": 0.6, "top_k": 20})
     assert (p.temperature, p.top_k) == (0.9, 5)
+
+
+def _generate_args(*argv):
+    return build_parser().parse_args(["generate", *argv])
+
+
+def test_generate_reads_the_prompt_from_stdin_dash_and_file(tmp_path):
+    from kvinfer.cli import DEFAULT_PROMPT, read_prompt
+    from kvinfer.errors import ValidationError
+
+    assert read_prompt(_generate_args(), io.StringIO("piped question\n")) == "piped question"
+    assert read_prompt(_generate_args("-"), io.StringIO("dash question\n")) == "dash question"
+    assert read_prompt(_generate_args(), io.StringIO("")) == DEFAULT_PROMPT  # nothing piped in
+    f = tmp_path / "p.txt"
+    f.write_text("from a file")
+    assert read_prompt(_generate_args("--file", str(f)), io.StringIO("")) == "from a file"
+    assert read_prompt(_generate_args("-p", "short flag"), io.StringIO("ignored")) == "short flag"
+    with pytest.raises(ValidationError, match="stdin held no prompt"):
+        read_prompt(_generate_args("-"), io.StringIO(""))
+    with pytest.raises(ValidationError, match="not several"):
+        read_prompt(_generate_args("a", "-p", "b"), io.StringIO(""))
+    with pytest.raises(ValidationError, match="cannot read"):
+        read_prompt(_generate_args("-f", str(tmp_path / "missing.txt")), io.StringIO(""))
+
+
+def test_generate_end_to_end_from_stdin(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The capital of France is"))
+    assert main(["generate", "--raw", "-n", "3", "--kv-cache-memory", "32MiB", "-c", "256"]) == 0
+    out = capsys.readouterr()
+    assert "prompt tokens 5 " in out.err or "prompt tokens 6 " in out.err, out.err  # the piped prompt, not the default
+    assert "generated 3 (length)" in out.err
+
+
+def test_llama_cpp_short_flags():
+    a = _generate_args("-m", "x.gguf", "-p", "hi", "-n", "7", "-c", "512", "-t", "2", "-s", "9")
+    assert (a.model, a.prompt_opt, a.max_tokens, a.max_model_len, a.threads, a.seed) == ("x.gguf", "hi", 7, 512, 2,
+                                                                                          9)
+    for cmd in (["serve"], ["bench", "throughput"], ["perplexity", "f.txt"], ["chat"]):
+        a = build_parser().parse_args(cmd + ["-m", "x.gguf", "-c", "512", "-t", "2", "-s", "9"])
+        assert (a.model, a.max_model_len, a.threads, a.seed) == ("x.gguf", 512, 2, 9)
+
+
+def test_every_help_ends_with_examples():
+    import argparse
+
+    def walk(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sp in a.choices.values():
+                    yield from walk(sp)
+
+    for p in walk(build_parser()):
+        tail = p.format_help().rstrip("\n").split("examples:\n")
+        assert len(tail) == 2, p.prog
+        lines = tail[1].splitlines()
+        assert 2 <= len(lines) <= 3 and all("kvinfer" in line for line in lines), (p.prog, lines)
