@@ -102,3 +102,55 @@ def test_every_help_ends_with_examples():
         assert len(tail) == 2, p.prog
         lines = tail[1].splitlines()
         assert 2 <= len(lines) <= 3 and all("kvinfer" in line for line in lines), (p.prog, lines)
+
+
+def test_bench_default_peers_are_the_installed_ones(monkeypatch, capsys):
+    import importlib.util
+
+    from kvinfer.bench import cli as bench_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("transformers", "llama_cpp") else real(name, *a))
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    args = build_parser().parse_args(["bench", "decode"])
+    assert args.compare is None
+    assert bench_cli._default_peers(args, None) == []  # before: ["transformers"], whether installed or not
+    err = capsys.readouterr().err
+    assert "transformers is not installed: pip install 'kvinfer[bench]'" in err
+    assert "llama.cpp is not installed: pip install llama-cpp-python" in err
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    if real("transformers") is not None:
+        assert bench_cli._default_peers(args, None) == ["transformers"]
+    args = build_parser().parse_args(["bench", "decode", "--compare", "llama.cpp"])
+    assert bench_cli._default_peers(args, None) == ["llama.cpp"]  # asked for: kept, and it says so when it runs
+
+
+def test_threads_over_the_core_count_say_what_runs(caplog):
+    import os
+
+    from kvinfer.engine.llm_engine import usable_threads
+
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING", logger="kvinfer"):
+        assert usable_threads(1000) == cores
+    assert f"--threads 1000 is more than the {cores} core" in caplog.text and f"running {cores}" in caplog.text
+    caplog.clear()
+    assert usable_threads(1) == 1 and not caplog.text
+
+
+def test_kv_cache_fraction_is_a_share_of_what_is_left_after_the_weights(caplog):
+    import psutil
+
+    from kvinfer.config import EngineConfig
+    from kvinfer.engine.llm_engine import _kv_budget, check_startup
+
+    cfg = EngineConfig(kv_cache_fraction=0.99, max_model_len=256)
+    avail = psutil.virtual_memory().available
+    weights = 4 << 30
+    # before: 0.99 of all the memory available, as if the weights took none of it
+    assert _kv_budget(cfg, weights) <= 0.99 * (avail - weights) + (64 << 20)
+    with caplog.at_level("WARNING", logger="kvinfer"):
+        check_startup(cfg)
+    assert "--kv-cache-fraction 0.99: a KV cache of" in caplog.text and "once the weights" in caplog.text
