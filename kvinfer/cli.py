@@ -194,15 +194,31 @@ def _prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+class Terminated(Exception):
+    """SIGTERM: the command stops what it does and exits 0 (main catches it)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def stream_request(engine, ids: list[int], params, out=sys.stdout) -> tuple[Optional[object], str]:
     """Stream one request's text to `out`; returns (its final RequestOutput, or None if Ctrl-C stopped it; the
     text shown). Ctrl-C only raises a flag, checked between engine steps, so the engine is never interrupted
     half-way through a step and stays usable for the next request."""
     rid = engine.add_request(None, ids, params)
-    stop: list[bool] = []
-    prev = None
+    stop: list[int] = []
+
+    def on_signal(signum, frame):
+        if stop:  # a second Ctrl-C (or SIGTERM) while the first is being honoured: leave at once
+            out.write("\n")
+            out.flush()
+            os._exit(130 if signum == signal.SIGINT else 0)
+        stop.append(signum)
+
+    prev = {}
     if threading.current_thread() is threading.main_thread():
-        prev = signal.signal(signal.SIGINT, lambda signum, frame: stop.append(True))
+        prev = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     final, parts = None, []
     try:
         while final is None and not stop and engine.has_unfinished_requests():
@@ -216,10 +232,12 @@ def stream_request(engine, ids: list[int], params, out=sys.stdout) -> tuple[Opti
                 if o.finished:
                     final = o
     finally:
-        if prev is not None:
-            signal.signal(signal.SIGINT, prev)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
         if final is None:
             engine.abort(rid)
+    if stop and stop[0] == signal.SIGTERM:
+        raise Terminated()
     return final, "".join(parts)
 
 
@@ -527,6 +545,8 @@ def main(argv=None) -> int:
             config = engine_config_from_args(args)
             if is_worker_process(config):  # node_rank > 0 or a torchrun rank: run the model, no front end
                 return run_worker_node(config)
+        if args.command in ("generate", "chat") and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminate)  # a clean exit 0, never a traceback
         return args.func(args) or 0
     except KvinferError as e:
         print(f"kvinfer: error: {e}", file=sys.stderr)
@@ -534,6 +554,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("\nterminated", file=sys.stderr)
+        return 0
     except BrokenPipeError:
         return 0
 
@@ -547,6 +570,8 @@ def run() -> None:
     joined, as a normal exit would. Tests call main() and keep the normal path.
     """
     code = main()
+    if threading.current_thread() is threading.main_thread():  # a Ctrl-C now, while tearing down, leaves at once
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
     atexit._run_exitfuncs()
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:

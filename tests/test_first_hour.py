@@ -154,3 +154,48 @@ def test_kv_cache_fraction_is_a_share_of_what_is_left_after_the_weights(caplog):
     with caplog.at_level("WARNING", logger="kvinfer"):
         check_startup(cfg)
     assert "--kv-cache-fraction 0.99: a KV cache of" in caplog.text and "once the weights" in caplog.text
+
+
+def _start(argv, **kw):
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-c", "from kvinfer.cli import run; run()", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_generate_stops_on_a_signal_without_a_traceback(sig, code):
+    import signal
+
+    p = _start(["generate", "--raw", "-n", "4000", "--ignore-eos", "-c", "8192", "--kv-cache-memory", "256MiB",
+                "--num-scheduler-steps", "1", "Once upon a time"], stdin=-3)
+    assert p.stdout.read(1)  # the answer has started
+    p.send_signal(getattr(signal, sig))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == code, err
+    assert b"Traceback" not in err
+    assert (b"terminated" if sig == "SIGTERM" else b"interrupted") in err
+
+
+def test_chat_ctrl_c_stops_the_answer_then_sigterm_ends_the_chat():
+    import signal
+    import subprocess
+    import time
+
+    p = _start(["chat", "-n", "4000", "--ignore-eos", "-c", "8192", "--kv-cache-memory", "256MiB",
+                "--num-scheduler-steps", "1"], stdin=subprocess.PIPE)
+    p.stdin.write(b"Tell me a long story.\n")
+    p.stdin.flush()
+    assert p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    deadline = time.time() + 60
+    p.stdin.write(b"/help\n")  # the chat goes on: its help line comes back
+    p.stdin.flush()
+    time.sleep(2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=max(1, deadline - time.time()))
+    assert p.returncode == 0, err
+    assert b"Traceback" not in err
+    assert b"(answer stopped)" in err and b"/reset clears" in err
