@@ -162,6 +162,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
+        if config.tensor_parallel_size > 1:  # a worker re-running a script without a main guard stops here
+            from kvinfer.parallel import refuse_spawn_bootstrap
+
+            refuse_spawn_bootstrap()
         source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
         if config.speculative_model:  # a missing draft model fails before the target is loaded
             try:
