@@ -199,3 +199,16 @@ def test_chat_ctrl_c_stops_the_answer_then_sigterm_ends_the_chat():
     assert p.returncode == 0, err
     assert b"Traceback" not in err
     assert b"(answer stopped)" in err and b"/reset clears" in err
+
+
+def test_simulate_pool_has_the_engines_block_count(capsys):
+    from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=1024))
+    blocks = engine.kv_manager.num_total_blocks
+    # before: simulate sized the pool in float32 K/V, half the engine's bfloat16 blocks for the built-in model
+    assert main(["simulate", "--synthetic", "4", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+                 "--no-compare", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["results"]["paged"]["capacity"].startswith(f"{blocks} blocks of 16 tokens"), (blocks, report)
