@@ -109,16 +109,16 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="shared tier in a Redis server, e.g. redis://127.0.0.1:6379/0")
     g.add_argument("--block-size", type=int_at_least("--block-size", 1, 1024), default=16,
                    help="tokens per KV block, 1-1024 (paged; default 16)")
-    g.add_argument("--max-model-len", type=int_at_least("--max-model-len"), default=None,
+    g.add_argument("--max-model-len", "-c", type=int_at_least("--max-model-len"), default=None,
                    help="context window, at most what the model's positions support (default: the model's)")
     add_scheduler_args(g)
     g.add_argument("--num-scheduler-steps", type=int_at_least("--num-scheduler-steps", 1, 64), default=8,
                    help="decode steps per call into the fused C step while no request waits and none needs more "
                         "than temperature/top-k/top-p/min-p (default 8; "
                         "1: return to the scheduler after every token)")
-    g.add_argument("--threads", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
+    g.add_argument("--threads", "-t", type=int_at_least("--threads", 1, THREADS_MAX), default=None,
                    help="CPU threads for torch (default: all cores)")
-    g.add_argument("--seed", type=seed_int("--seed"), default=0,
+    g.add_argument("--seed", "-s", type=seed_int("--seed"), default=0,
                    help="engine seed for requests without their own (default 0)")
     t = p.add_argument_group("tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA)")
     t.add_argument("--tensor-parallel-size", "-tp", type=int_at_least("--tensor-parallel-size"), default=1,
@@ -171,7 +171,7 @@ def engine_config_from_args(args):
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int_at_least("--max-tokens"), default=None,
+    g.add_argument("--max-tokens", "-n", type=int_at_least("--max-tokens"), default=None,
                    help=f"most new tokens (default {DEFAULT_MAX_TOKENS}, or what still fits in the context window)")
     g.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature})")
@@ -207,15 +207,31 @@ def _prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+class Terminated(Exception):
+    """SIGTERM: the command stops what it does and exits 0 (main catches it)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def stream_request(engine, ids: list[int], params, out=sys.stdout) -> tuple[Optional[object], str]:
     """Stream one request's text to `out`; returns (its final RequestOutput, or None if Ctrl-C stopped it; the
     text shown). Ctrl-C only raises a flag, checked between engine steps, so the engine is never interrupted
     half-way through a step and stays usable for the next request."""
     rid = engine.add_request(None, ids, params)
-    stop: list[bool] = []
-    prev = None
+    stop: list[int] = []
+
+    def on_signal(signum, frame):
+        if stop:  # a second Ctrl-C (or SIGTERM) while the first is being honoured: leave at once
+            out.write("\n")
+            out.flush()
+            os._exit(130 if signum == signal.SIGINT else 0)
+        stop.append(signum)
+
+    prev = {}
     if threading.current_thread() is threading.main_thread():
-        prev = signal.signal(signal.SIGINT, lambda signum, frame: stop.append(True))
+        prev = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     final, parts = None, []
     try:
         while final is None and not stop and engine.has_unfinished_requests():
@@ -229,10 +245,12 @@ def stream_request(engine, ids: list[int], params, out=sys.stdout) -> tuple[Opti
                 if o.finished:
                     final = o
     finally:
-        if prev is not None:
-            signal.signal(signal.SIGINT, prev)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
         if final is None:
             engine.abort(rid)
+    if stop and stop[0] == signal.SIGTERM:
+        raise Terminated()
     return final, "".join(parts)
 
 
@@ -265,12 +283,43 @@ def spec_summary(stats: dict) -> str:
     return f" | speculative: {a}/{p} accepted ({rate * 100:.0f}%), mean accepted length {length:.2f}"
 
 
+def read_prompt(args, stdin=None) -> str:
+    """generate's prompt: --file, -p, the positional one, '-' (stdin), or stdin when input is piped in and none is
+    given; else the default question."""
+    from kvinfer.errors import ValidationError
+
+    stdin = sys.stdin if stdin is None else stdin
+    given = [(name, v) for name, v in (("--file", args.file), ("--prompt", args.prompt_opt), ("PROMPT", args.prompt))
+             if v is not None]
+    if len(given) > 1:
+        raise ValidationError("prompt", None, f"give one of {' / '.join(n for n, _ in given)}, not several")
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValidationError("file", args.file, f"cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    text = args.prompt_opt if args.prompt_opt is not None else args.prompt
+    if text == "-" or text is None:
+        try:
+            piped = "" if stdin is None or stdin.isatty() else stdin.read()
+        except (OSError, ValueError):  # no readable stdin (closed, or a test runner's placeholder)
+            piped = ""
+        if piped.strip():
+            return piped.rstrip("\n")
+        if text == "-":
+            raise ValidationError("prompt", "-", "stdin held no prompt (give one as an argument, -p or --file)")
+        return DEFAULT_PROMPT
+    return text
+
+
 def cmd_generate(args) -> int:
     from kvinfer.engine.llm_engine import LLMEngine
 
+    prompt = read_prompt(args)
     params = sampling_params_from_args(args)
     engine = LLMEngine(engine_config_from_args(args))
-    ids = _prompt_ids(engine, args.prompt, args.raw)
+    ids = _prompt_ids(engine, prompt, args.raw)
     if args.max_tokens is None:
         params = _fit_max_tokens(engine, params, len(ids))
     t0 = time.perf_counter()
@@ -400,11 +449,48 @@ def cmd_models(args) -> int:
     return 0
 
 
+# Two or three examples at the end of each command's --help, by the parser's prog.
+EXAMPLES = {
+    "kvinfer": ["kvinfer generate \"Write a haiku about the sea.\"", "kvinfer chat", "kvinfer serve --port 8000"],
+    "kvinfer generate": ["kvinfer generate \"What is the capital of France?\"",
+                         "echo \"Explain paged attention in one line.\" | kvinfer generate",
+                         "kvinfer generate -m model.gguf -f prompt.txt -n 128 -t 4 -s 7"],
+    "kvinfer chat": ["kvinfer chat", "kvinfer chat --system \"Answer in French.\" --temperature 0.7",
+                     "kvinfer chat -m path/to/hf_dir -c 4096"],
+    "kvinfer models": ["kvinfer models", "kvinfer models | grep GGUF"],
+    "kvinfer serve": ["kvinfer serve --port 8000", "kvinfer serve path/to/model.gguf --kv-cache-memory 2GiB",
+                      "kvinfer serve --host 0.0.0.0 --api-key secret"],
+    "kvinfer bench": ["kvinfer bench decode", "kvinfer bench throughput", "kvinfer bench exact"],
+    "kvinfer bench decode": ["kvinfer bench decode", "kvinfer bench decode --compare llama.cpp",
+                             "kvinfer bench decode -m model.gguf -t 4"],
+    "kvinfer bench throughput": ["kvinfer bench throughput", "kvinfer bench throughput --compare kv-int8"],
+    "kvinfer bench exact": ["kvinfer bench exact", "kvinfer bench exact --kv-cache-dtype int8"],
+    "kvinfer bench kv-attention": ["kvinfer bench kv-attention", "kvinfer bench kv-attention --context 4096"],
+    "kvinfer bench spec": ["kvinfer bench spec", "kvinfer bench spec --num-speculative-tokens 4"],
+    "kvinfer bench structured": ["kvinfer bench structured", "kvinfer bench structured --requests 16"],
+    "kvinfer bench serve": ["kvinfer bench serve", "kvinfer bench serve --max-concurrency 8"],
+    "kvinfer perplexity": ["kvinfer perplexity wiki.test.raw", "kvinfer perplexity wiki.test.raw --context 512 "
+                           "--kv-cache-dtype int8"],
+    "kvinfer lab": ["kvinfer lab kvcache", "kvinfer lab kvcache --tokens 256"],
+    "kvinfer lab kvcache": ["kvinfer lab kvcache", "kvinfer lab kvcache --tokens 256 --out lab_out"],
+    "kvinfer plan": ["kvinfer plan", "kvinfer plan --model llama-2-7b --memory 24GiB",
+                     "kvinfer plan --model llama-2-7b --kv-cache-dtype int8"],
+    "kvinfer simulate": ["kvinfer simulate", "kvinfer simulate --synthetic 200 --kv-cache-memory 256MiB"],
+}
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         # "-5GiB" is a (bad) value, not an unknown option: let the flag's own check say what is wrong with it.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        examples = EXAMPLES.get(self.prog)
+        if examples:
+            text += "\nexamples:\n" + "".join(f"  {e}\n" for e in examples)
+        return text
 
     def error(self, message):  # one line, the usage hint, exit 2 (argparse's convention)
         self.exit(2, f"kvinfer: error: {message} (see {self.prog} --help)\n")
@@ -422,7 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout",
                        description="Generate for one prompt (the chat template is applied unless --raw), stream "
                                    "the text, then print token counts, TTFT, decode speed and KV-cache use.")
-    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help=f"the prompt; '-' or none given with input piped in: read it from stdin "
+                        f"(default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--prompt", "-p", dest="prompt_opt", default=None, metavar="PROMPT",
+                   help="the prompt, as llama.cpp's -p (instead of the positional one)")
+    g.add_argument("--file", "-f", default=None, metavar="PATH", help="read the prompt from this file")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)
     add_sampling_args(g)
@@ -468,6 +559,8 @@ def main(argv=None) -> int:
             config = engine_config_from_args(args)
             if is_worker_process(config):  # node_rank > 0 or a torchrun rank: run the model, no front end
                 return run_worker_node(config)
+        if args.command in ("generate", "chat") and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminate)  # a clean exit 0, never a traceback
         return args.func(args) or 0
     except KvinferError as e:
         print(f"kvinfer: error: {e}", file=sys.stderr)
@@ -475,6 +568,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("\nterminated", file=sys.stderr)
+        return 0
     except BrokenPipeError:
         return 0
 
@@ -488,6 +584,8 @@ def run() -> None:
     joined, as a normal exit would. Tests call main() and keep the normal path.
     """
     code = main()
+    if threading.current_thread() is threading.main_thread():  # a Ctrl-C now, while tearing down, leaves at once
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
     atexit._run_exitfuncs()
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:

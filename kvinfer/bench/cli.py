@@ -60,10 +60,10 @@ def register(sub) -> None:
                    help="new tokens, at least 2 (default 256)")
     d.add_argument("--prompt-tokens", type=int_at_least("--prompt-tokens"), default=32,
                    help="prompt length in tokens (default 32)")
-    d.add_argument("--compare", type=_peers("transformers", "llama.cpp", "no-invariance"), default=["transformers"],
+    d.add_argument("--compare", type=_peers("transformers", "llama.cpp", "no-invariance"), default=None,
                    help="comma-separated peers: transformers, llama.cpp (llama-bench when --llama-bench or "
                         "$LLAMA_BENCH names it, else llama-cpp-python), no-invariance (kvinfer itself with "
-                        "KVINFER_BATCH_INVARIANT=0), none (default transformers)")
+                        "KVINFER_BATCH_INVARIANT=0), none (default: transformers and llama.cpp, those installed)")
     d.add_argument("--llama-bench", metavar="PATH", default=None,
                    help="llama.cpp's llama-bench binary for --compare llama.cpp (default $LLAMA_BENCH)")
     d.add_argument("--rounds", type=int_at_least("--rounds"), default=1,
@@ -82,12 +82,12 @@ def register(sub) -> None:
     t.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
     t.add_argument("--compare", type=_peers("transformers", "llama.cpp", "llama-server", "no-invariance", "kv-int8",
                                             "kv-fp8", "kv-bfloat16", "kv-float32"),
-                   default=["transformers"],
+                   default=None,
                    help="comma-separated peers: transformers, llama.cpp (llama-cpp-python, one sequence at a "
                         "time), llama-server (llama.cpp's HTTP server, parallel slots), no-invariance (kvinfer "
                         "itself with KVINFER_BATCH_INVARIANT=0), kv-int8 / kv-fp8 / kv-bfloat16 / kv-float32 "
                         "(kvinfer itself with that --kv-cache-dtype at the same --kv-cache-memory), "
-                        "none (default transformers)")
+                        "none (default: transformers and llama.cpp, those installed)")
     t.add_argument("--llama-server", metavar="PATH", default=None,
                    help="llama.cpp server binary for --compare llama-server (default $LLAMA_SERVER, else "
                         "llama-server on PATH)")
@@ -168,6 +168,20 @@ def _print_tp(c) -> None:
           f"{c['step_ms']:.2f} ms, and less again where each rank has its own cores or GPU")
 
 
+def _default_peers(args, path, llama_bench_ok: bool = True) -> list[str]:
+    """--compare as given; without it, the optional peers (transformers, llama.cpp) that are installed here, naming
+    the missing ones and how to get them (a missing optional peer never fails the run)."""
+    if args.compare is not None:
+        return args.compare
+    from kvinfer.bench.peers import pick_peers
+
+    present, missing = pick_peers(["transformers", "llama.cpp"], gguf=path is not None and path.is_file(),
+                                llama_bench_ok=llama_bench_ok)
+    for line in missing:
+        print(f"peer skipped: {line}", file=sys.stderr)
+    return present
+
+
 def cmd_decode(args) -> int:
     import random
 
@@ -218,7 +232,7 @@ def cmd_decode(args) -> int:
     # Each peer as a function measuring one round (set up once); kvinfer and the peers take turns, round after
     # round, so slow spells of a shared machine fall on all of them.
     peers: dict = {}
-    for peer in args.compare:
+    for peer in _default_peers(args, path):
         if peer == "no-invariance":
             def star(prompt):
                 with _invariance_off():
@@ -390,7 +404,7 @@ def cmd_throughput(args) -> int:
     path, source, device = eng.loaded.source.path, eng.loaded.source, eng.loaded.device
     eng.close()
     del llm, eng
-    for peer in args.compare:
+    for peer in _default_peers(args, path, llama_bench_ok=False):
         if peer == "no-invariance":
             with _invariance_off():
                 peer_llm = LLM(config=cfg)

@@ -245,3 +245,32 @@ def llama_server_throughput(binary: str, model_path: Path, requests, threads: in
             proc.kill()
         log.close()
     return dict(seconds=secs, useful_tokens=useful, tps=useful / secs, command=" ".join(argv[:1] + argv[3:]))
+
+
+# How to get each optional peer, named when one is missing.
+PEER_INSTALL = {
+    "transformers": "pip install 'kvinfer[bench]' (transformers; gguf too for a GGUF model)",
+    "llama.cpp": "pip install llama-cpp-python, or --llama-bench PATH / $LLAMA_BENCH (llama.cpp's llama-bench)",
+}
+
+
+def peer_present(name: str, gguf: bool = False, llama_bench_ok: bool = True) -> bool:
+    """Whether an optional peer can run here: its package imports (transformers needs gguf for a GGUF model), or
+    for llama.cpp, llama-cpp-python or a llama-bench binary ($LLAMA_BENCH, PATH)."""
+    import importlib.util
+    import os
+
+    if name == "transformers":
+        return importlib.util.find_spec("transformers") is not None and (
+            not gguf or importlib.util.find_spec("gguf") is not None)
+    if name == "llama.cpp":
+        return (importlib.util.find_spec("llama_cpp") is not None
+                or (llama_bench_ok and bool(os.environ.get("LLAMA_BENCH")) and find_binary(None, "LLAMA_BENCH", "llama-bench") is not None))
+    return True
+
+
+def pick_peers(candidates, gguf: bool = False, llama_bench_ok: bool = True) -> tuple[list[str], list[str]]:
+    """(the candidates present here, one line per missing one naming how to get it)."""
+    present = [p for p in candidates if peer_present(p, gguf, llama_bench_ok)]
+    missing = [f"{p} is not installed: {PEER_INSTALL[p]}" for p in candidates if p not in present]
+    return present, missing

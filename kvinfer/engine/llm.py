@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from kvinfer.config import EngineConfig
+from kvinfer.engine.generation_defaults import generation_defaults
 from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.engine.outputs import RequestOutput
 from kvinfer.errors import ValidationError
@@ -41,6 +42,13 @@ class LLM:
         cfg = engine_kwargs.pop("config", None) or EngineConfig(model=model, **engine_kwargs)
         self.engine = LLMEngine(cfg, loaded)
         self.tokenizer = self.engine.tokenizer
+        # The model's own sampling (generation_config.json; the built-in model's published values) for calls
+        # that pass no SamplingParams, as vLLM's --generation-config auto.
+        self.default_sampling = generation_defaults(cfg.model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when none are given: the model's sampling defaults, vLLM's name for it."""
+        return SamplingParams(**self.default_sampling)
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -52,7 +60,7 @@ class LLM:
         prompts = [_unwrap(i, p) for i, p in enumerate(prompts)]
         params = sampling_params
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
@@ -113,6 +121,8 @@ class LLM:
         prompts = [self.tokenizer.encode(self._render(list(conv), tools, add_generation_prompt, continue_final_message,
                                                       chat_template_kwargs), add_special_tokens=False)
                    for conv in (messages if batch else [messages])]
+        if sampling_params is None:  # an answer runs to its end (EOS or the context window), as chat servers do
+            sampling_params = SamplingParams(max_tokens=None, **self.default_sampling)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _render(self, conv: list, tools, add_generation_prompt: bool, continue_final_message: bool,

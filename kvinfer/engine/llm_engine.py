@@ -80,13 +80,15 @@ def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineC
     return dataclasses.replace(config, kv_cache_dtype="bfloat16")
 
 
-def _kv_budget(config: EngineConfig) -> int:
+def _kv_budget(config: EngineConfig, weight_bytes: int = 0) -> int:
+    """The KV budget in bytes; --kv-cache-fraction is a share of the memory available once the weights are in
+    (weight_bytes: the weights still to load; 0 once they are)."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
     if config.kv_cache_fraction:
         import psutil
 
-        return int(psutil.virtual_memory().available * config.kv_cache_fraction)
+        return int(max(0, psutil.virtual_memory().available - weight_bytes) * config.kv_cache_fraction)
     return DEFAULT_KV_CACHE_MEMORY
 
 
@@ -118,11 +120,16 @@ def check_startup(config: EngineConfig) -> ModelSource:
     check_source(config, src)
     mc = src.config
     max_len = resolve_max_model_len(config, mc)
-    _, kv_bytes = kv_layout(config.kv_cache, kv_bytes_per_token(config, mc, dtype), config.block_size, max_len,
-                            config.max_num_seqs, _kv_budget(config))
     weight_bytes = _weight_bytes(config, src, device, dtype)
+    _, kv_bytes = kv_layout(config.kv_cache, kv_bytes_per_token(config, mc, dtype), config.block_size, max_len,
+                            config.max_num_seqs, _kv_budget(config, weight_bytes))
     free = available_memory(device)
     where = "GPU memory free" if device.type == "cuda" else "memory available"
+    if config.kv_cache_fraction and not config.kv_cache_memory:
+        log.warning("--kv-cache-fraction %g: a KV cache of %s fits (%g of the %s of %s once the weights, about %s, "
+                    "are in); %s stay free for activations and everything else", config.kv_cache_fraction,
+                    format_bytes(kv_bytes), config.kv_cache_fraction, format_bytes(max(0, free - weight_bytes)),
+                    where, format_bytes(weight_bytes), format_bytes(max(0, free - weight_bytes - kv_bytes)))
     if weight_bytes > free:
         raise ModelLoadError(f"the weights of {config.model or 'the built-in model'} need about "
                              f"{format_bytes(weight_bytes)} to load, more than the {format_bytes(free)} of {where}")
@@ -134,6 +141,19 @@ def check_startup(config: EngineConfig) -> ModelSource:
     return src
 
 
+def usable_threads(requested: int) -> int:
+    """The threads to run: `requested`, or this machine's core count when it asks for more (oversubscribed cores
+    only slow every step down), saying so in one line."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested > cores:
+        log.warning("--threads %d is more than the %d core%s this process may use; running %d", requested, cores,
+                    "s" if cores > 1 else "", cores)
+        return cores
+    return requested
+
+
 def _child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 6364136223846793005 + index * 1442695040888963407) % (1 << 63)
 
@@ -143,6 +163,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
+        if config.tensor_parallel_size > 1:  # a worker re-running a script without a main guard stops here
+            from kvinfer.parallel import refuse_spawn_bootstrap
+
+            refuse_spawn_bootstrap()
         source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
         if config.speculative_model:  # a missing draft model fails before the target is loaded
             try:
@@ -150,7 +174,7 @@ class LLMEngine:
             except ModelLoadError as e:
                 raise ValidationError("speculative_model", config.speculative_model, str(e)) from None
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(usable_threads(config.num_threads))
         if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
             from kvinfer.parallel import check_tp_size
 

@@ -242,6 +242,8 @@ def cmd_simulate(args) -> int:
         trace = sim.synthetic_trace(n, args.seed, mc.vocab_size)
         trace_label = f"synthetic: {n} requests, prompt 16-512, output 16-256, all at t=0, seed {args.seed}"
     max_len = args.max_model_len or mc.max_position_embeddings
+    # the engine's KV element type, so that the pool has the engine's block count
+    args.kv_cache_dtype = sim.engine_kv_cache_dtype(args.model, args.dtype, args.kv_cache_dtype)
     cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                         block_size=args.block_size, max_model_len=max_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

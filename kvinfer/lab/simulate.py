@@ -403,6 +403,23 @@ class SimResult:
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (time, kv use, running seqs)
 
 
+def engine_kv_cache_dtype(model: Optional[str], dtype: str, kv_cache_dtype: str) -> str:
+    """What the engine stores K/V in for this model (its resolve_kv_cache_dtype), without loading the weights:
+    `auto` is bfloat16 where a GGUF's quantised weights run on the CPU kernels with float32 activations (the
+    built-in model), else the activations' dtype; anything else as given."""
+    if kv_cache_dtype != "auto" or dtype != "float32":
+        return kv_cache_dtype
+    from kvinfer import kernels
+    from kvinfer.config import PRESETS
+    from kvinfer.loaders.model_loader import resolve_device, resolve_source
+
+    if resolve_device("auto").type != "cpu" or not kernels.available():
+        return kv_cache_dtype
+    if model is not None and (model in PRESETS or model.endswith(".json")):
+        return kv_cache_dtype  # shapes only: dummy float weights, no quantised kernels
+    return "bfloat16" if resolve_source(model, "auto").kind == "gguf" else kv_cache_dtype
+
+
 def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
     if cfg.tp > 1:  # the engine's rule (kvinfer.parallel): KV heads split, or one replicated when fewer than ranks
         mc = mc.replace(num_kv_heads=max(1, mc.num_kv_heads // cfg.tp))

@@ -1,7 +1,6 @@
 """Tensor-parallel processes over torch.distributed: rendezvous, the workers' loop, rank 0's per-step broadcast."""
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -9,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +32,11 @@ STEP_TIMEOUT = timedelta(seconds=float(os.environ.get("KVINFER_TP_STEP_TIMEOUT",
 # Workers wait for rank 0's next step on their own group: an idle server must not time them out.
 IDLE_TIMEOUT = timedelta(days=7)
 DEFAULT_MULTINODE_PORT = 29500
+# A worker's exit code when it found itself re-running the user's script (no `if __name__ == "__main__":` guard).
+SPAWN_GUARD_EXIT = 87
+SPAWN_GUARD_HINT = ('the script that creates the engine ran again in a tensor-parallel worker: workers are started '
+                    'with multiprocessing\'s "spawn", which imports your main script, so put the code that creates '
+                    'the engine under `if __name__ == "__main__":` (as torch.multiprocessing and vLLM require)')
 
 
 class TensorParallelError(KvinferError):
@@ -79,6 +84,18 @@ def is_worker_process(config: EngineConfig) -> bool:
     return Rendezvous.from_config(config).rank != 0
 
 
+def refuse_spawn_bootstrap() -> None:
+    """In a worker that is still importing the user's script (spawn's bootstrap), a tensor-parallel engine being
+    created means the script has no main guard: say what to add and leave at once (its parent sees the exit code)
+    instead of loading the model and then failing inside multiprocessing."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"kvinfer: error: {SPAWN_GUARD_HINT}\n")
+        sys.stderr.flush()
+        os._exit(SPAWN_GUARD_EXIT)
+
+
 def _set_threads(config: EngineConfig, local_world: int) -> None:
     # The ranks of one machine share its cores: torch's default (all cores each) would oversubscribe them.
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local_world))
@@ -102,6 +119,33 @@ def _join(rdv: Rendezvous, rank: int, device: torch.device, store=None):
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     compute = dist.new_group(backend=_compute_backend(device), timeout=STEP_TIMEOUT)
     return control, compute
+
+
+def _join_watching(rdv: Rendezvous, device: torch.device, store, procs: list):
+    """Rank 0's _join, in a thread, while this node's workers are watched: one that exits before the ranks meet
+    fails the start at once (naming the main guard when that is why) rather than after START_TIMEOUT."""
+    done: dict = {}
+
+    def join():
+        try:
+            done["groups"] = _join(rdv, 0, device, store)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = e
+
+    t = threading.Thread(target=join, name="kvinfer-tp-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+        dead = [(r, p) for r, p in zip(rdv.spawn_ranks, procs) if p.exitcode is not None]
+        if dead and t.is_alive():
+            r, p = dead[0]
+            if p.exitcode == SPAWN_GUARD_EXIT:
+                raise TensorParallelError(SPAWN_GUARD_HINT)
+            raise TensorParallelError(f"tensor-parallel worker rank {r} {_exit_text(p.exitcode)} before the ranks "
+                                      f"met; its error is above")
+    if "error" in done:
+        raise done["error"]
+    return done["groups"]
 
 
 def _recv(group):
@@ -258,6 +302,18 @@ def _exit_text(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
+def _release(control, procs: list, state: dict) -> None:
+    """Rank 0's teardown: tell the workers to stop (if they can still hear it), make sure every local one has ended,
+    then destroy the process group so that another engine can start in this process."""
+    if state["failed"] is None:
+        try:
+            dist.broadcast_object_list([("stop",)], src=0, group=control)
+        except Exception:
+            pass
+    _end_processes(procs, 10.0 if state["failed"] is None else 0.5)
+    _destroy()
+
+
 # ---- rank 0 -----------------------------------------------------------------------------------------
 class TensorParallel:
     """Rank 0's side: the shard of the model it computes, its workers, and the per-step broadcast of plans."""
@@ -268,9 +324,18 @@ class TensorParallel:
         self.control, self.compute = control, compute
         self.stats = stats
         self.local_config = local
-        self.failed: Optional[str] = None
-        self._closed = False
-        atexit.register(self.shutdown)
+        self._state = {"failed": None}
+        # The workers and the process group go when the engine is shut down, garbage-collected or at exit, whichever
+        # comes first; the finalizer holds no reference to self, so `del llm` lets it run.
+        self._finalizer = weakref.finalize(self, _release, control, procs, self._state)
+
+    @property
+    def failed(self) -> Optional[str]:
+        return self._state["failed"]
+
+    @failed.setter
+    def failed(self, value: Optional[str]) -> None:
+        self._state["failed"] = value
 
     @property
     def size(self) -> int:
@@ -282,6 +347,13 @@ class TensorParallel:
         tp, cfg = config.tensor_parallel_size, loaded.config
         check_tp_size(cfg, tp)
         rdv = Rendezvous.from_config(config)
+        if dist.is_initialized():  # an engine dropped without close() may only wait for the collector
+            import gc
+
+            gc.collect()
+        if dist.is_initialized():
+            raise ValidationError("tensor_parallel_size", tp, "another tensor-parallel engine still holds this "
+                                  "process's process group: close it first (llm.close(), or drop every reference)")
         if rdv.rank != 0:
             raise ValidationError("node_rank", config.node_rank, "the engine runs on node 0 (rank 0) only")
         if loaded.device.type == "cuda" and not rdv.torchrun and torch.cuda.device_count() < rdv.local_world:
@@ -298,7 +370,10 @@ class TensorParallel:
             rdv = dataclasses.replace(rdv, port=store.port)
         procs = _spawn(config, rdv)
         try:
-            control, compute = _join(rdv, 0, loaded.device, store)
+            control, compute = _join_watching(rdv, loaded.device, store, procs)
+        except TensorParallelError:
+            _end_processes(procs, 0.0)
+            raise
         except Exception as e:
             _end_processes(procs, 0.0)
             _destroy()
@@ -359,17 +434,7 @@ class TensorParallel:
 
     def shutdown(self) -> None:
         """Tell the workers to stop (if they can still hear it), then make sure every local one has ended."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.failed is None:
-            try:
-                self._send(("stop",))
-            except Exception:
-                pass
-        _end_processes(self.procs, 10.0 if self.failed is None else 0.5)
-        _destroy()
-        atexit.unregister(self.shutdown)
+        self._finalizer()
 
 
 class TPModelRunner(ModelRunner):

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvinfer.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvinfer.engine.generation_defaults import generation_defaults
 from kvinfer.errors import KvinferError
 from kvinfer.loaders.chat_tools import template_messages
 from kvinfer.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class ServerState:
         self.lifecycle = lifecycle or Lifecycle(engine)
         self.config = engine.config
         self.model_name = model_name
+        self.sampling_defaults = generation_defaults(engine.config.model)
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(engine.stats, model_name)
         register_tier_metrics(self.metrics.registry, engine.engine, model_name)  # the KV tiers' counters
@@ -100,12 +102,15 @@ async def _off_loop(fn, *args):
 
 
 # ---- request bodies to prompts and SamplingParams ----------------------------------------------------
-def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int],
+                     defaults: Optional[dict] = None) -> SamplingParams:
+    """defaults: the model's sampling (generation_config.json), for the fields the body leaves out."""
+    defaults = defaults or {}
     stop = body.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings are allowed", param="stop")
-    temperature = body.temperature if body.temperature is not None else 1.0
-    top_p = body.top_p if body.top_p is not None else 1.0
+    temperature = body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
+    top_p = body.top_p if body.top_p is not None else defaults.get("top_p", 1.0)
     if temperature < SAMPLING_EPS or top_p < SAMPLING_EPS:
         # Both leave only the most likely token; dividing by (or comparing in float32 against) a near-zero
         # value would instead overflow to inf/NaN probabilities.
@@ -120,12 +125,10 @@ def _sampling_params(body, max_tokens: Optional[int], logprobs: Optional[int]) -
         logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens is not False, prompt_logprobs=body.prompt_logprobs)
-    if body.top_k is not None:
-        kw["top_k"] = body.top_k
-    if body.min_p is not None:
-        kw["min_p"] = body.min_p
-    if body.repetition_penalty is not None:
-        kw["repetition_penalty"] = body.repetition_penalty
+    for name in ("top_k", "min_p", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None or name in defaults:
+            kw[name] = value if value is not None else defaults[name]
     if body.min_tokens is not None:
         kw["min_tokens"] = body.min_tokens
     # Token ids in stop_token_ids, logit_bias and allowed_token_ids are checked against the vocabulary by the
@@ -187,7 +190,8 @@ def _completion_input(srv: ServerState, body: CompletionRequest) -> tuple[list, 
     if len(prompts) * n > capacity:
         raise APIError(400, f"{len(prompts)} prompts x n={n} sequences in one request; this server holds at "
                             f"most {capacity}", param="prompt" if len(prompts) > 1 else "n")
-    params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
+                              srv.sampling_defaults)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
         params = SamplingParams(**{**params.__dict__, "prompt_logprobs": max(body.logprobs, body.prompt_logprobs or 0)})
     return prompts, params
@@ -214,7 +218,7 @@ def _chat_input(srv: ServerState, body: ChatCompletionRequest
     ids = tok.encode(_render_chat(tok, body, messages, extra), add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, max_tokens, k)  # max_tokens None: the input processor fills in the rest
+    params = _sampling_params(body, max_tokens, k, srv.sampling_defaults)  # max_tokens None: the input processor fills in the rest
     if tools is not None and tools.forced:
         params = SamplingParams(**{**params.__dict__, "structured_output": tools.spec})
     if params.n > srv.engine.capacity:

@@ -77,8 +77,9 @@ class _SamplingFields(_Body):
 
     model_config = _CONFIG
     model: Optional[str] = Field(None, description="must be the served model name (see GET /v1/models)")
-    temperature: Optional[float] = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
-    top_p: Optional[float] = Field(1.0, gt=0.0, le=1.0)
+    # None: the model's own (generation_config.json, or the built-in model's published sampling), else 1.0
+    temperature: Optional[float] = Field(None, ge=0.0, le=100.0, description="0 is greedy")
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     n: Optional[int] = Field(1, ge=1, le=MAX_N, description="samples per prompt")
     stop: Stop = Field(None, description=f"up to {MAX_STOP} stop strings")
     seed: Optional[int] = Field(None, ge=-(1 << 63), le=MAX_SEED)
