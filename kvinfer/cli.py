@@ -464,6 +464,7 @@ EXAMPLES = {
     "kvinfer bench decode": ["kvinfer bench decode", "kvinfer bench decode --compare llama.cpp",
                              "kvinfer bench decode -m model.gguf -t 4"],
     "kvinfer bench throughput": ["kvinfer bench throughput", "kvinfer bench throughput --compare kv-int8"],
+    "kvinfer bench prefix-cache": ["kvinfer bench prefix-cache", "kvinfer bench prefix-cache --json"],
     "kvinfer bench exact": ["kvinfer bench exact", "kvinfer bench exact --kv-cache-dtype int8"],
     "kvinfer bench kv-attention": ["kvinfer bench kv-attention", "kvinfer bench kv-attention --context 4096"],
     "kvinfer bench spec": ["kvinfer bench spec", "kvinfer bench spec --num-speculative-tokens 4"],
