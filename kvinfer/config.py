@@ -642,6 +642,8 @@ class EngineConfig:
         for name in ("kv_offload_memory", "kv_cache_dir_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValidationError(name, getattr(self, name), "must be > 0 bytes")
+        if self.kv_cache_dir is not None and os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
+            raise ValidationError("kv_cache_dir", self.kv_cache_dir, "is a file, not a directory")
         if self.kv_cache_dir_size is not None and not self.kv_cache_dir:
             raise ValidationError("kv_cache_dir_size", self.kv_cache_dir_size, "needs kv_cache_dir")
         if self.kv_cache_redis is not None and not self.kv_cache_redis.startswith(("redis://", "rediss://", "unix://")):

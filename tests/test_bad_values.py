@@ -48,6 +48,10 @@ ENGINE = {
     "--num-speculative-tokens": ["0", "17"],
     "--ngram-min": ["0"],
     "--ngram-max": ["0", "100"],
+    "--kv-offload-memory": ["lots", "-1GiB", "0"],
+    "--kv-cache-dir": [README, "/proc/nope"],
+    "--kv-cache-dir-size": ["lots", "0"],
+    "--kv-cache-redis": ["http://x"],
 }
 SAMPLING = {
     "--max-tokens": ["0", "-1", HUGE, "nan"],
@@ -61,7 +65,7 @@ SAMPLING = {
 # Per command: its own flags (the engine and sampling ones are covered above).
 OWN = {
     "": {"--log-level": ["loud"]},
-    "generate": {**ENGINE, **SAMPLING},
+    "generate": {**ENGINE, **SAMPLING, "--file": ["/no/such/file"]},
     "serve": {"--host": ["999.1.1.1"], "--port": ["-1", "70000", "abc"], "--max-queue": ["-1", HUGE],
               "--max-body-bytes": ["0", "lots"], "--shutdown-timeout": ["-1", "nan", "abc"],
               "--responses-store-size": ["0", "lots"], "--allowed-hosts": ["http://evil.example/", "a b"]},
@@ -72,6 +76,8 @@ OWN = {
                          "--hf-batch-size": ["0"]},
     "bench structured": {"--requests": ["0"], "--tokens": ["1", "nan"], "--rounds": ["0"]},
     "bench spec": {"--prompts": ["0", "9"], "--throughput-requests": ["-1"], "--rounds": ["0", "51"]},
+    "bench prefix-cache": {"--prefixes": ["0"], "--prefix-tokens": ["0"], "--suffix-tokens": ["0"], "--rounds": ["0"],
+                           "--long-prefix": ["-1"], "--redis": ["http://x"], "--workload-seed": ["-1"]},
     "bench exact": {"--prompts": ["1", HUGE], "--tokens": ["0", "nan"]},
     "bench kv-attention": {"--context": ["15", HUGE], "--calls": ["0"], "--rounds": ["0", "nan"], "--threads": ["0"]},
     "bench serve": {"--num-requests": ["0"], "--workload-seed": [HUGE], "--max-concurrency": ["0"],
@@ -79,7 +85,7 @@ OWN = {
     "perplexity": {"--context": ["3", HUGE, "x"], "--chunks": ["0", "nan"]},
     "lab kvcache": {"--tokens": ["0", HUGE], "--prompt-tokens": ["0"], "--backends": ["fast", ","],
                     "--out": [README, "/proc/nope"]},
-    "plan": {"--model": ["/no/such/model"], "--memory": ["-5GiB", "0", "lots", "nan"],
+    "plan": {"--model": ["/no/such/model"], "--kv-offload-memory": ["lots"], "--kv-cache-dir-size": ["lots"], "--memory": ["-5GiB", "0", "lots", "nan"],
              "--max-model-len": ["0", HUGE], "--dtype": ["int3"], "--block-size": ["0"], "--tp": ["0"],
              "--tensor-parallel-size": ["0"], "--kv-cache-dtype": ["int4"],
              "--workload": ["gaussian"], "--concurrent": ["0"]},
@@ -133,7 +139,7 @@ def _argv(cmd, flag, value):
     if cmd == "":
         return [f"{flag}={value}", "models"]
     words = cmd.split()
-    head = words + (["hi"] if cmd == "generate" else [])
+    head = words + (["hi"] if cmd == "generate" and flag != "--file" else [])
     return head + NEEDS_ARGS.get(cmd, []) + [f"{flag}={value}"]
 
 

@@ -72,8 +72,8 @@ def cache_fingerprint(config, loaded, cache, prompt_route: bool) -> bytes:
 
 
 def make_tiers(config, loaded, cache, manager, prompt_route: bool, one_rank: bool = True) -> Optional[KVTiers]:
-    """The tiers the flags ask for, attached to the manager (None if none); a tier that cannot be opened is logged
-    and left out. Paged caches with prefix caching only: the tiers are keyed by the prefix cache's hashes."""
+    """The tiers the flags ask for, attached to the manager (None if none); a disk directory that cannot be used is
+    refused; an unreachable Redis is logged (it may come up later). Paged caches with prefix caching only: the tiers are keyed by the prefix cache's hashes."""
     if not (config.kv_offload_memory or config.kv_cache_dir or config.kv_cache_redis):
         return None
     if not (getattr(manager, "prefix_caching", False) and hasattr(manager, "attach_tiers") and one_rank):
@@ -85,9 +85,7 @@ def make_tiers(config, loaded, cache, manager, prompt_route: bool, one_rank: boo
     if config.kv_offload_memory:
         tiers.append(RamTier(config.kv_offload_memory))
     if config.kv_cache_dir:
-        disk = open_disk(config.kv_cache_dir, config.kv_cache_dir_size or DEFAULT_DIR_SIZE, fp, nbytes)
-        if disk is not None:
-            tiers.append(disk)
+        tiers.append(open_disk(config.kv_cache_dir, config.kv_cache_dir_size or DEFAULT_DIR_SIZE, fp, nbytes))
     if config.kv_cache_redis:
         tiers.append(RedisTier(config.kv_cache_redis, fp, nbytes))
     if not tiers:

@@ -225,12 +225,12 @@ class RedisTier(Tier):
                 pass
 
 
-def open_disk(directory: str, quota: int, fp: bytes, payload_bytes: int) -> Optional[DiskTier]:
-    """The disk tier, or None (logged) where the directory cannot be used: a tier never stops the engine."""
+def open_disk(directory: str, quota: int, fp: bytes, payload_bytes: int) -> DiskTier:
+    """The disk tier; a directory that cannot be created or read at start-up is refused naming it (once running, a
+    failing disk is logged and its blocks recomputed: a tier never stops a running engine)."""
     try:
         return DiskTier(directory, quota, fp, payload_bytes)
     except OSError as e:
-        import logging
+        from kvinfer.errors import ValidationError
 
-        logging.getLogger("kvinfer").warning("KV disk tier off: cannot use %s: %s", directory, e)
-        return None
+        raise ValidationError("kv_cache_dir", directory, f"cannot use it: {e.strerror or e}") from None
