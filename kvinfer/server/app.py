@@ -513,6 +513,9 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    from kvinfer.server.anthropic import add_anthropic_api  # it imports this module's request checks
+
+    add_anthropic_api(app, api_key, max_body_bytes)
     return app
 
 
