@@ -42,6 +42,11 @@ class Request:
     # computed (by the first sample of a group only; prefix-cache hits are not taken until the list is complete).
     prompt_logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # params.pooling: the final-norm hidden states of the prompt rows computed so far (chunks, float32 copies, in
+    # order), then the pooled vector once the whole prompt is computed.
+    pooled: list = field(default_factory=list)
+    num_pooled: int = 0
+    embedding: Optional[list] = None
     group_id: Optional[str] = None
     index: int = 0  # sample index within its group (n > 1)
     # Set for a sibling waiting to be forked from its group's first request after that one's prefill.
@@ -85,6 +90,26 @@ class Request:
         """Prompt logprobs asked for and not all computed yet (they come from the first sample's prefill)."""
         return (self.params.prompt_logprobs is not None and self.index == 0
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    def add_pooled_rows(self, rows) -> None:
+        """Keep the next prompt rows' hidden states; pool them when the prompt is complete. The pooled vector is
+        one operation over all the prompt's rows at once, so it does not depend on how the prompt was chunked."""
+        import torch
+
+        how = self.params.pooling
+        self.num_pooled += rows.shape[0]
+        if how == "mean" or (how == "cls" and not self.pooled):
+            self.pooled.append(rows[:1].float().clone() if how == "cls" else rows.float().clone())
+        if self.num_pooled < self.num_prompt_tokens:
+            return
+        if how == "last":
+            vec = rows[-1].float()
+        elif how == "cls":
+            vec = self.pooled[0][0]
+        else:
+            vec = torch.cat(self.pooled).mean(dim=0)
+        self.pooled = []
+        self.embedding = vec.cpu().tolist()
 
     @property
     def is_finished(self) -> bool:

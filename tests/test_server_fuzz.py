@@ -39,8 +39,8 @@ OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GE
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
               ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/messages"),
-              ("POST", "/v1/messages/count_tokens")]
-HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+              ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")]
+HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
 
 
 def test_openapi_documents_request_bodies(fuzz_server):
@@ -119,6 +119,9 @@ ANTHROPIC = st.fixed_dictionaries({"model": TEXT, "max_tokens": st.just(1), "mes
                                          optional={"name": TEXT | st.just("f")})})
 BODIES = {
     "/v1/messages": ANTHROPIC,
+    "/v1/embeddings": st.fixed_dictionaries({"input": TEXT | st.lists(TEXT, max_size=3) | st.lists(
+        st.integers(-2, 60000), max_size=3)}, optional={"dimensions": st.integers(-1, 1000), "model": TEXT,
+                                                         "encoding_format": st.sampled_from(["float", "base64", "x"])}),
     "/v1/messages/count_tokens": ANTHROPIC,
     "/v1/completions": st.fixed_dictionaries({"prompt": TEXT | st.lists(TEXT, min_size=1, max_size=2),
                                              "max_tokens": st.just(1)},

@@ -514,7 +514,9 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
     _document(app, model_name)
     app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     from kvinfer.server.anthropic import add_anthropic_api  # it imports this module's request checks
+    from kvinfer.server.embeddings import add_embeddings_api
 
+    add_embeddings_api(app)
     add_anthropic_api(app, api_key, max_body_bytes)
     return app
 

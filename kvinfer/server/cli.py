@@ -28,6 +28,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_QUEUE})")
     g.add_argument("--max-body-bytes", default=DEFAULT_MAX_BODY,
                    help=f"largest request body, e.g. 1048576 or 4MiB; larger gets 413 (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
+                   help="how /v1/embeddings pools a text's final hidden states (default: the model's "
+                        "sentence-transformers setting, else last)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalise embeddings (default: the model's sentence-transformers setting, else no)")
 
 
 def register(subparsers) -> None:
@@ -95,6 +100,7 @@ def cmd_serve(args) -> int:
     engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGINT)
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
+    app.state.embedding_pooling, app.state.embedding_normalize = args.pooling, args.normalize
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
