@@ -91,26 +91,6 @@ class Request:
         return (self.params.prompt_logprobs is not None and self.index == 0
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
-    def add_pooled_rows(self, rows) -> None:
-        """Keep the next prompt rows' hidden states; pool them when the prompt is complete. The pooled vector is
-        one operation over all the prompt's rows at once, so it does not depend on how the prompt was chunked."""
-        import torch
-
-        how = self.params.pooling
-        self.num_pooled += rows.shape[0]
-        if how == "mean" or (how == "cls" and not self.pooled):
-            self.pooled.append(rows[:1].float().clone() if how == "cls" else rows.float().clone())
-        if self.num_pooled < self.num_prompt_tokens:
-            return
-        if how == "last":
-            vec = rows[-1].float()
-        elif how == "cls":
-            vec = self.pooled[0][0]
-        else:
-            vec = torch.cat(self.pooled).mean(dim=0)
-        self.pooled = []
-        self.embedding = vec.cpu().tolist()
-
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

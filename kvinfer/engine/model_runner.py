@@ -149,7 +149,7 @@ class ModelRunner:
         if p.prompt_rows:
             self._prompt_logprobs(hidden, p, prompt_reqs)
         for req, a, b in pool:
-            req.add_pooled_rows(hidden[a:b])
+            _pool(req, hidden[a:b])
         if not sample_rows:
             return None, []
         return logits, sampled
@@ -171,3 +171,23 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """[rows, vocab] float32 (under tensor parallelism every rank calls it: the head's slices are gathered)."""
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+
+def _pool(req, rows: torch.Tensor) -> None:
+    """Keep a pooling request's next prompt rows (final-norm hidden states); pool them once the prompt is complete
+    into req.embedding. The pooled vector is one operation over all the prompt's rows at once, so it does not
+    depend on how the prompt was chunked."""
+    how = req.params.pooling
+    req.num_pooled += rows.shape[0]
+    if how == "mean" or (how == "cls" and not req.pooled):
+        req.pooled.append(rows[:1].float().clone() if how == "cls" else rows.float().clone())
+    if req.num_pooled < req.num_prompt_tokens:
+        return
+    if how == "last":
+        vec = rows[-1].float()
+    elif how == "cls":
+        vec = req.pooled[0][0]
+    else:
+        vec = torch.cat(req.pooled).mean(dim=0)
+    req.pooled = []
+    req.embedding = vec.cpu().tolist()
