@@ -24,6 +24,7 @@ from kvinfer.server.openai_responses import (MAX_STORED, ResponseBuilder, Respon
                                              StoredResponse, chat_request, item_page, response_events,
                                              responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
+from kvinfer.server.reasoning import reasoning_parser
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
@@ -358,6 +359,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
     reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
+    reply.reasoning = reasoning_parser(request.app)
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 
@@ -379,6 +381,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise responses_error(e) from None
     builder = ResponseBuilder(body, srv.model_name, history)
     reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
+    reply.reasoning = reasoning_parser(request.app)
     store = srv.responses if body.store is not False else None
     if body.stream:
         return SSEResponse(response_events(builder, reply, srv.metrics, store), stream)

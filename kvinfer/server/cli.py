@@ -31,6 +31,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
                    help="how /v1/embeddings pools a text's final hidden states (default: the model's "
                         "sentence-transformers setting, else last)")
+    g.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning "
+                        "items (responses)")
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalise embeddings (default: the model's sentence-transformers setting, else no)")
 
@@ -101,6 +104,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or default_model_name(config)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=max_body)
     app.state.embedding_pooling, app.state.embedding_normalize = args.pooling, args.normalize
+    app.state.reasoning_parser = args.reasoning_parser
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)
