@@ -131,6 +131,11 @@ def test_server_reasoning_whole_and_streamed(srv):
     assert (thought, content) == (whole["reasoning_content"], "")
 
 
+def test_a_grammar_answers_without_reasoning(srv):
+    msg = _chat(srv, response_format={"type": "json_object"}, max_tokens=20).json()["choices"][0]["message"]
+    assert "reasoning_content" not in msg and msg["content"].lstrip().startswith("{")
+
+
 def test_enable_thinking_reaches_the_template(srv):
     on = _chat(srv).json()["usage"]["prompt_tokens"]
     off = _chat(srv, chat_template_kwargs={"enable_thinking": False}).json()["usage"]["prompt_tokens"]

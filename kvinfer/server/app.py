@@ -359,7 +359,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
     reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
-    reply.reasoning = reasoning_parser(request.app)
+    reply.reasoning = reasoning_parser(request.app, params)
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 
@@ -381,7 +381,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise responses_error(e) from None
     builder = ResponseBuilder(body, srv.model_name, history)
     reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
-    reply.reasoning = reasoning_parser(request.app)
+    reply.reasoning = reasoning_parser(request.app, params)
     store = srv.responses if body.store is not False else None
     if body.stream:
         return SSEResponse(response_events(builder, reply, srv.metrics, store), stream)

@@ -104,10 +104,12 @@ class ReasoningStream:
         return "", "" if self.state == "after" else rest
 
 
-def reasoning_parser(app) -> Optional[ReasoningParser]:
-    """The server's parser (`kvinfer serve --reasoning-parser`, kept in app.state), or None."""
+def reasoning_parser(app, params) -> Optional[ReasoningParser]:
+    """The server's parser (`kvinfer serve --reasoning-parser`, kept in app.state), or None. None too for a request
+    under a grammar (response_format, a forced tool call): the grammar holds from the first token, so the model
+    cannot think first, and its whole output is the answer."""
     kind = getattr(app.state, "reasoning_parser", None)
-    return ReasoningParser(kind) if kind else None
+    return ReasoningParser(kind) if kind and params.structured_output is None else None
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict:
