@@ -56,7 +56,7 @@ def _llama_server(binary: str, model: Path, threads: int, slots: int, pooling: s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
-            str(threads), "-np", str(slots), "-c", str(slots * 512), "-b", "2048", "-ub", "2048", "-ngl", "0",
+            str(threads), "-np", str(slots), "-c", str(slots * 512), "-b", "512", "-ub", "512", "-ngl", "0",
             "--embeddings", "--pooling", pooling]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
