@@ -42,6 +42,11 @@ class Request:
     # computed (by the first sample of a group only; prefix-cache hits are not taken until the list is complete).
     prompt_logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # params.pooling: the final-norm hidden states of the prompt rows computed so far (chunks, float32 copies, in
+    # order), then the pooled vector once the whole prompt is computed.
+    pooled: list = field(default_factory=list)
+    num_pooled: int = 0
+    embedding: Optional[list] = None
     group_id: Optional[str] = None
     index: int = 0  # sample index within its group (n > 1)
     # Set for a sibling waiting to be forked from its group's first request after that one's prefill.

@@ -80,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-k logprobs per generated token
     prompt_logprobs: Optional[int] = None  # top-k logprobs of each prompt token after the first (vLLM's)
+    # An embedding request: the prompt's final-norm hidden states pooled into one vector (last | mean | cls),
+    # reported with its (one, discarded) token; it takes no prefix-cache hits.
+    pooling: Optional[str] = None
     skip_special_tokens: bool = True
     logit_bias: Optional[dict] = None  # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     # A grammar the output must follow (token masks from llguidance, see kvinfer/structured.py).
@@ -147,6 +150,8 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.pooling not in (None, "last", "mean", "cls"):
+            bad("pooling", "must be one of last, mean, cls")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")

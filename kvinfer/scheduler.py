@@ -137,8 +137,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            # A prompt's logprobs need its every position computed: no prefix-cache hit until they are.
-            computed, num_cached = ([], 0) if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
+            # A prompt's logprobs (or pooled embedding) need its every position computed: no prefix-cache hit.
+            computed, num_cached = ([], 0) if req.needs_prompt_logprobs or req.params.pooling is not None \
+                else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_cached, budget)
             if self._must_wait_whole(n, req.num_tokens - num_cached):
                 break

@@ -38,8 +38,9 @@ OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GE
               ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
-              ("DELETE", "/v1/responses/{response_id}")]
-HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+              ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/messages"),
+              ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/embeddings")]
+HEAVY = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
 
 
 def test_openapi_documents_request_bodies(fuzz_server):
@@ -100,7 +101,28 @@ ITEMS = st.lists(st.one_of(
                            "arguments": TEXT | st.just("{}")}),
     st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT | PARTS}),
     JSON), max_size=3)
+BLOCKS = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "thinking"]), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": TEXT | st.just("f"), "input": JSON}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": TEXT},
+                          optional={"content": TEXT | st.lists(st.fixed_dictionaries(
+                              {"type": st.just("text"), "text": TEXT}), max_size=2), "is_error": st.booleans()}),
+    JSON), max_size=3)
+ANTHROPIC = st.fixed_dictionaries({"model": TEXT, "max_tokens": st.just(1), "messages": st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": TEXT | BLOCKS}),
+    min_size=1, max_size=2)}, optional={
+    "system": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2),
+    "stop_sequences": st.lists(TEXT, max_size=2), "stream": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"name": TEXT | st.just("f"), "input_schema": st.dictionaries(
+        TEXT, JSON, max_size=2)}), max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                                         optional={"name": TEXT | st.just("f")})})
 BODIES = {
+    "/v1/messages": ANTHROPIC,
+    "/v1/embeddings": st.fixed_dictionaries({"input": TEXT | st.lists(TEXT, max_size=3) | st.lists(
+        st.integers(-2, 60000), max_size=3)}, optional={"dimensions": st.integers(-1, 1000), "model": TEXT,
+                                                         "encoding_format": st.sampled_from(["float", "base64", "x"])}),
+    "/v1/messages/count_tokens": ANTHROPIC,
     "/v1/completions": st.fixed_dictionaries({"prompt": TEXT | st.lists(TEXT, min_size=1, max_size=2),
                                              "max_tokens": st.just(1)},
                                             optional={"stop": TEXT, "model": TEXT, "response_format": FORMATS}),

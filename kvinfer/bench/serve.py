@@ -36,6 +36,13 @@ def _add_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--rounds", type=int_at_least("--rounds"), default=1,
                    help="alternate offline and HTTP runs this many times and report the best of each (default 1)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--workload", choices=("generate", "embeddings"), default="generate",
+                   help="generate (above), or embeddings: /v1/embeddings of kvinfer's server against "
+                        "llama-server --embeddings on the same GGUF (default generate)")
+    s.add_argument("--inputs-per-request", type=int_at_least("--inputs-per-request"), default=8,
+                   help="texts per /v1/embeddings request (embeddings workload; default 8)")
+    s.add_argument("--llama-server", default=None, help="llama-server binary (embeddings workload; default "
+                                                         "$LLAMA_SERVER or PATH)")
 
 
 def _pcts(values) -> dict:
@@ -154,6 +161,10 @@ def cmd_bench_serve(args) -> int:
     from kvinfer.server.app import ServerThread, create_app
 
     cfg = engine_config_from_args(args)
+    if args.workload == "embeddings":
+        from kvinfer.bench.serve_embeddings import run_embeddings_bench
+
+        return run_embeddings_bench(args, cfg)
     llm = LLM(config=cfg)
     eng = llm.engine
     work = throughput_workload(args.num_requests, args.workload_seed, vocab_size=eng.model_config.vocab_size)

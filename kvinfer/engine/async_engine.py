@@ -22,6 +22,7 @@ log = logging.getLogger("kvinfer")
 Prompt = Union[str, Sequence[int]]
 
 DEFAULT_MAX_QUEUE = 256
+_INLINE_TEXT_CHARS = 16384  # prompt text up to this many characters is tokenized inline (a thread hop costs more)
 
 
 class QueueFullError(KvinferError):
@@ -274,9 +275,14 @@ class AsyncLLMEngine:
         """Admit several requests atomically (all or none) onto one shared output stream."""
         if not self.is_running:
             raise EngineDeadError() if self._dead is None else EngineDeadError(f"the engine failed: {self._dead!r}")
-        # Input processing here, on the caller's loop: the engine thread only queues token ids already checked.
-        reqs = [self.engine.processor.process(rid if rid is not None else self.new_request_id(), p, sp)
-                for rid, p, sp in requests]
+        # Input processing here, not on the engine thread (it only queues token ids already checked); long texts
+        # are tokenized on a worker thread, so that one big prompt does not pause every other stream on this loop.
+        def process():
+            return [self.engine.processor.process(rid if rid is not None else self.new_request_id(), p, sp)
+                    for rid, p, sp in requests]
+
+        long_text = sum(len(p) for _, p, _ in requests if isinstance(p, str)) > _INLINE_TEXT_CHARS
+        reqs = await asyncio.to_thread(process) if long_text else process()
         seqs = sum(r.params.n for r in reqs)
         limit = self.capacity
         with self._active_lock:

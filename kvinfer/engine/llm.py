@@ -86,6 +86,19 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]], pooling: Optional[str] = None,
+              normalize: Optional[bool] = None) -> list[list[float]]:
+        """One vector per prompt (vLLM's name): the prompt's final hidden states pooled `last`, `mean` or `cls`
+        (default: the model's sentence-transformers setting, else last), L2-normalised if `normalize` (default:
+        the model's setting, else no). Batched as generation is; the same prompt gives the same bits in any batch."""
+        from kvinfer.engine.pooling import embed_params, finish, model_pooling
+
+        own_pooling, own_normalize = model_pooling(self.engine.config.model)
+        params = embed_params(pooling or own_pooling or "last")
+        outs = self.generate(prompts if not _single(prompts) else [prompts], params, use_tqdm=False)
+        norm = own_normalize if normalize is None else normalize
+        return [finish(o.embedding, norm) for o in outs]
+
     @property
     def llm_engine(self) -> LLMEngine:
         """The engine, under vLLM's name for it."""

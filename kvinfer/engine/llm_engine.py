@@ -627,8 +627,9 @@ class LLMEngine:
             ids = first.prompt_token_ids  # the first prompt token has no logprob
             prompt_lps = [None] + [Logprob(ids[i + 1], lp, top, rank)
                                    for i, (lp, top, rank) in enumerate(first.prompt_logprobs)]
+        embedding, first.embedding = first.embedding, None  # once
         return CoreOutput(g.request_id, deltas, max(first.num_cached_tokens, 0), first.arrival_time,
-                          first.first_token_time, first.last_token_time, prompt_lps)
+                          first.first_token_time, first.last_token_time, prompt_lps, embedding)
 
     # ---- introspection -------------------------------------------------------------------------
     def kv_usage(self) -> dict:

@@ -73,17 +73,22 @@ class ModelRunner:
                 rows.append((self.manager.seq_slice(s.request, s.start, s.num_new_tokens), s))
         return decodes_first(rows, lambda row: row[0])
 
-    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq], list]:
-        """The step's model input as plain data, the rows to sample, the scheduled seqs they belong to, and the
-        requests whose prompt logprobs the plan's prompt_rows give (one entry per row, in order).
+    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[ScheduledSeq], list, list]:
+        """The step's model input as plain data, the rows to sample, the scheduled seqs they belong to, the
+        requests whose prompt logprobs the plan's prompt_rows give (one entry per row, in order), and the pooling
+        (embedding) requests' prompt rows as (request, first row, end row).
 
         A sequence owns 1 + len(spec_token_ids) consecutive sample rows: the prediction after its last known
         token, then after each proposed token. A request that asked for prompt logprobs also has a row at each
         prompt position p < len(prompt) - 1 not yet done: its logits give the logprob of prompt token p + 1."""
         p = StepPlan([], [], [], list(out.block_copies or ()))
-        sample_rows, sampled, prompt_reqs = [], [], []
+        sample_rows, sampled, prompt_reqs, pool = [], [], [], []
         for v, s in self._rows(out.scheduled):
             req = s.request
+            if self.computes_prompt_logprobs and req.params.pooling is not None and req.index == 0 \
+                    and v.start <= req.num_pooled < req.num_prompt_tokens:
+                first = len(p.input_ids) - v.start
+                pool.append((req, first + req.num_pooled, first + min(v.end, req.num_prompt_tokens)))
             if self.computes_prompt_logprobs and req.needs_prompt_logprobs and v.start <= len(req.prompt_logprobs):
                 first = len(p.input_ids) - v.start
                 for pos in range(len(req.prompt_logprobs), min(v.end, req.num_prompt_tokens - 1)):
@@ -108,7 +113,7 @@ class ModelRunner:
                 if not sampled or sampled[-1] is not s:
                     sampled.append(s)
         p.sample_rows = sample_rows
-        return p, sample_rows, sampled, prompt_reqs
+        return p, sample_rows, sampled, prompt_reqs, pool
 
     @torch.inference_mode()
     def run_plan(self, p: StepPlan) -> torch.Tensor:
@@ -134,15 +139,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """Returns (logits [rows, vocab] float32, the scheduled seqs those rows belong to, in order)."""
-        p, sample_rows, sampled, prompt_reqs = self.plan(out)
+        p, sample_rows, sampled, prompt_reqs, pool = self.plan(out)
         # Every row sampled (decode steps, verifications): a fused step may apply the final norm and head too.
         every_row = (self.use_fused_decode and len(sample_rows) == len(p.input_ids) > 0
-                     and sample_rows == list(range(len(p.input_ids))) and not p.prompt_rows)
+                     and sample_rows == list(range(len(p.input_ids))) and not p.prompt_rows and not pool)
         hidden, logits = self._run(p, True) if every_row else (self.run_plan(p), None)
         if sample_rows and logits is None:
             logits = self.logits(hidden, sample_rows)
         if p.prompt_rows:
             self._prompt_logprobs(hidden, p, prompt_reqs)
+        for req, a, b in pool:
+            _pool(req, hidden[a:b])
         if not sample_rows:
             return None, []
         return logits, sampled
@@ -164,3 +171,23 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """[rows, vocab] float32 (under tensor parallelism every rank calls it: the head's slices are gathered)."""
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+
+def _pool(req, rows: torch.Tensor) -> None:
+    """Keep a pooling request's next prompt rows (final-norm hidden states); pool them once the prompt is complete
+    into req.embedding. The pooled vector is one operation over all the prompt's rows at once, so it does not
+    depend on how the prompt was chunked."""
+    how = req.params.pooling
+    req.num_pooled += rows.shape[0]
+    if how == "mean" or (how == "cls" and not req.pooled):
+        req.pooled.append(rows[:1].float().clone() if how == "cls" else rows.float().clone())
+    if req.num_pooled < req.num_prompt_tokens:
+        return
+    if how == "last":
+        vec = rows[-1].float()
+    elif how == "cls":
+        vec = req.pooled[0][0]
+    else:
+        vec = torch.cat(req.pooled).mean(dim=0)
+    req.pooled = []
+    req.embedding = vec.cpu().tolist()

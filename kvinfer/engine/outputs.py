@@ -60,6 +60,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then the Logprob of each later one given
     # the tokens before it (None until the prompt has been computed).
     prompt_logprobs: Optional[list[Optional[Logprob]]] = None
+    embedding: Optional[list[float]] = None  # SamplingParams.pooling: the pooled final hidden state (float32 values)
 
     @property
     def ttft(self):

@@ -109,6 +109,7 @@ class CoreOutput:
     first_token_time: Optional[float]
     last_token_time: Optional[float]
     prompt_logprobs: Optional[list] = None  # once, when complete: None, then a Logprob per later prompt token
+    embedding: Optional[list] = None  # a pooling request's vector, once the prompt is computed
 
 
 @dataclass
@@ -139,6 +140,7 @@ class _Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     prompt_logprobs: Optional[list] = None
+    embedding: Optional[list] = None
 
 
 class OutputProcessor:
@@ -176,6 +178,8 @@ class OutputProcessor:
                 continue  # aborted, or finished here while deltas the core made after it were in flight
             if out.prompt_logprobs is not None:
                 req.prompt_logprobs = out.prompt_logprobs
+            if out.embedding is not None:
+                req.embedding = out.embedding
             for d in out.samples:
                 s = req.samples[d.index]
                 if s.finished:
@@ -252,4 +256,5 @@ class OutputProcessor:
                 delta_text=delta, delta_token_ids=dtoks))
         m = RequestMetrics(out.arrival_time, req.first_token_time, req.last_token_time, len(req.samples[0].token_ids))
         return RequestOutput(out.request_id, req.prompt, req.prompt_token_ids, comps,
-                             all(s.finished for s in req.samples), out.num_cached_tokens, m, req.prompt_logprobs)
+                             all(s.finished for s in req.samples), out.num_cached_tokens, m, req.prompt_logprobs,
+                             req.embedding)

@@ -29,6 +29,7 @@ from kvinfer.server.openai_responses import (ResponseBuilder, ResponsesRequest, 
                                              StoredResponse, chat_request, item_page, response_events,
                                              responses_error)
 from kvinfer.server.page import add_page_routes, note_page_request
+from kvinfer.server.reasoning import reasoning_parser
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
@@ -336,6 +337,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     stream = await srv.admit([ids], params, "chatcmpl")
     note_page_request(request, stream.request_id, body.messages)
     reply = ChatReply(srv.model_name, stream, srv.token_text, params.n, k, tools, body.prompt_logprobs is not None)
+    reply.reasoning = reasoning_parser(request.app, params)
     return await respond(reply, request, srv.metrics, bool(body.stream), _include_usage(body))
 
 
@@ -356,6 +358,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise responses_error(e) from None
     builder = ResponseBuilder(body, srv.model_name, history)
     reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
+    reply.reasoning = reasoning_parser(request.app, params)
     store = srv.responses if body.store is not False else None
     if body.stream:
         return SSEResponse(response_events(builder, reply, srv.metrics, store), stream)
@@ -501,7 +504,12 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         app.add_api_route(path, route, methods=[method], responses=_ERRORS if documented else None)
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
+    from kvinfer.server.anthropic import add_anthropic_api  # it imports this module's request checks
+    from kvinfer.server.embeddings import add_embeddings_api
+
+    add_embeddings_api(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    add_anthropic_api(app, api_key, max_body_bytes)  # its key middleware goes outside the guard
     app.add_middleware(DrainMiddleware, lifecycle=lifecycle)  # a draining server parses nothing
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # outermost

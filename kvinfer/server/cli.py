@@ -42,6 +42,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may take to finish before they end with "
                         f"an error (default {DEFAULT_SHUTDOWN_TIMEOUT:g}); new requests get 503 meanwhile")
+    g.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
+                   help="how /v1/embeddings pools a text's final hidden states (default: the model's "
+                        "sentence-transformers setting, else last)")
+    g.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="split a thinking model's <think>...</think> into reasoning_content (chat) and reasoning "
+                        "items (responses)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalise embeddings (default: the model's sentence-transformers setting, else no)")
 
 
 def register(subparsers) -> None:
@@ -121,6 +129,8 @@ def cmd_serve(args) -> int:
                      shutdown_timeout=args.shutdown_timeout,
                      allowed_hosts=allowed_hosts,
                      responses_store_bytes=store_bytes, access_log=not args.quiet)
+    app.state.embedding_pooling, app.state.embedding_normalize = args.pooling, args.normalize
+    app.state.reasoning_parser = args.reasoning_parser
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("kvinfer").warning("serving on %s without --api-key: anyone who can reach it can use it",
                                              args.host)

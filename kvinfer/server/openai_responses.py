@@ -17,6 +17,7 @@ from kvinfer.server.protocol import (_CONFIG, APIError, ChatCompletionRequest, F
                                      from_engine_error)
 from kvinfer.server.response_store import ResponseStore, StoredResponse  # noqa: F401 (re-exported)
 from kvinfer.server.responses import ChatReply, sse, usage
+from kvinfer.server.reasoning import reasoning_item
 from kvinfer.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger("kvinfer.server")
@@ -397,7 +398,7 @@ class ResponseBuilder:
         for item in output:
             if item["type"] == "message":
                 answer["content"] = item["content"][0]["text"]
-            else:
+            elif item["type"] == "function_call":  # reasoning is not carried into the next turn
                 answer.setdefault("tool_calls", []).append(
                     {"id": item["call_id"], "type": "function",
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
@@ -412,6 +413,8 @@ class ResponseBuilder:
         status = "incomplete" if finish == "length" else "completed"
         output = []
         lps = choice["logprobs"]["content"] if choice.get("logprobs") else None
+        if message.get("reasoning_content") is not None:
+            output.append(reasoning_item(f"rs_{_hex()}", message["reasoning_content"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
             output.append(self.message_item(f"msg_{_hex()}", message.get("content") or "",
                                             _response_logprobs(lps) if self.body.want_logprobs else None, status))
@@ -441,6 +444,7 @@ class _EventStream:
         self.calls: dict[int, dict] = {}  # chat call index -> open call item: id, index, call_id, name, args
         self.pending_lps: list = []
         self.status = "completed"
+        self.thought: Optional[dict] = None  # the open reasoning item: id, index, text
 
     def event(self, kind: str, **fields) -> str:
         e = {"type": kind, "sequence_number": self.seq, **fields}
@@ -448,7 +452,28 @@ class _EventStream:
         return sse(e, kind)
 
     def _next_index(self) -> int:
-        return len(self.output) + (self.msg is not None) + len(self.calls)
+        return len(self.output) + (self.msg is not None) + len(self.calls) + (self.thought is not None)
+
+    def _reasoning(self, text: str) -> list[str]:
+        """A reasoning delta (opening the reasoning item), or with "" the item closed if it is open."""
+        t = self.thought
+        if not text:
+            if t is None:
+                return []
+            self.thought = None
+            item = reasoning_item(t["id"], t["text"], "completed")
+            self.output.append(item)
+            return [self.event("response.reasoning_text.done", item_id=t["id"], output_index=t["index"],
+                               content_index=0, text=t["text"]),
+                    self.event("response.output_item.done", output_index=t["index"], item=item)]
+        events = []
+        if t is None:
+            t = self.thought = {"id": f"rs_{_hex()}", "index": self._next_index(), "text": ""}
+            events.append(self.event("response.output_item.added", output_index=t["index"],
+                                     item=reasoning_item(t["id"], "", "in_progress") | {"content": []}))
+        t["text"] += text
+        return events + [self.event("response.reasoning_text.delta", item_id=t["id"], output_index=t["index"],
+                                    content_index=0, delta=text)]
 
     def _open_message(self) -> list[str]:
         self.msg = {"id": f"msg_{_hex()}", "index": self._next_index(), "text": "", "lps": []}
@@ -475,7 +500,10 @@ class _EventStream:
         delta = c.get("delta") or {}
         if c.get("logprobs"):
             self.pending_lps += _response_logprobs(c["logprobs"]["content"])
+        events += self._reasoning(delta.get("reasoning_content") or "")
         text = delta.get("content")
+        if text or delta.get("tool_calls") or c.get("finish_reason"):
+            events += self._reasoning("")
         if text:
             if self.msg is None:
                 events += self._open_message()

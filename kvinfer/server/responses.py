@@ -17,6 +17,7 @@ from kvinfer.engine.outputs import Logprob
 from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import APIError, error_body, from_engine_error
+from kvinfer.server.reasoning import ReasoningParser, ReasoningStream
 from kvinfer.server.tools import ToolContext
 
 log = logging.getLogger("kvinfer.server")
@@ -240,6 +241,7 @@ class CompletionReply(Reply):
 class ChatReply(Reply):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     usage_in_chunks = True
+    reasoning: Optional[ReasoningParser] = None  # --reasoning-parser: <think> goes to reasoning_content
 
     def __init__(self, model: str, stream: RequestStream, token_text: TokenText, n: int, k: Optional[int],
                  tools: Optional[ToolContext], prompt_logprobs: bool = False):
@@ -248,6 +250,18 @@ class ChatReply(Reply):
         self.vllm_prompt = prompt_logprobs  # vLLM's extra: the reply gets "prompt_logprobs"
         self.lp_seen: dict[int, int] = {}
         self.tool_streams = {i: tools.stream() for i in range(n)} if tools is not None else {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
+
+    def _split(self, index: int, delta: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, answer) parts of a delta; the answer alone goes on to the tool-call parser."""
+        if self.reasoning is None:
+            return "", delta
+        rs = self.reasoning_streams.setdefault(index, self.reasoning.stream())
+        thought, answer = rs.step(delta)
+        if finished:
+            more_thought, more_answer = rs.end()
+            thought, answer = thought + more_thought, answer + more_answer
+        return thought, answer
 
     def opening(self) -> Iterator[dict]:
         for i in range(self.n):
@@ -263,9 +277,10 @@ class ChatReply(Reply):
                 if len(o.logprobs) > start:
                     lps = self.token_text.chat_logprobs(o.logprobs[start:], self.k)
             ts = self.tool_streams.get(o.index)
-            content, calls = (o.delta_text, []) if ts is None else ts.step(o.delta_text)
-            if content or calls or lps:
-                yield {"index": o.index, "delta": _chat_delta(content, calls), "logprobs": lps,
+            thought, answer = self._split(o.index, o.delta_text, bool(o.finish_reason))
+            content, calls = (answer, []) if ts is None else ts.step(answer)
+            if content or calls or lps or thought:
+                yield {"index": o.index, "delta": _chat_delta(content, calls, thought), "logprobs": lps,
                        "finish_reason": None}
             if o.finish_reason:
                 finish = _finish(o.finish_reason)
@@ -281,9 +296,12 @@ class ChatReply(Reply):
         out = finals[self.stream.request_id]
         choices = []
         for o in out.outputs:
-            message, finish = {"role": "assistant", "content": o.text}, _finish(o.finish_reason)
+            thought, answer = self.reasoning.split(o.text) if self.reasoning is not None else (None, o.text)
+            message, finish = {"role": "assistant", "content": answer}, _finish(o.finish_reason)
             if self.tools is not None:
-                message, finish = self.tools.message(o.text, finish)
+                message, finish = self.tools.message(answer, finish)
+            if self.reasoning is not None:
+                message["reasoning_content"] = thought
             lps = self.token_text.chat_logprobs(o.logprobs or [], self.k) if self.k is not None else None
             choices.append({"index": o.index, "message": message, "logprobs": lps, "finish_reason": finish})
         body = {**self.head(self.object), "choices": choices, "usage": usage([out])}
@@ -292,8 +310,10 @@ class ChatReply(Reply):
         return body
 
 
-def _chat_delta(content: str, tool_calls: list) -> dict:
-    delta: dict[str, Any] = {"content": content} if content or not tool_calls else {}
+def _chat_delta(content: str, tool_calls: list, reasoning: str = "") -> dict:
+    delta: dict[str, Any] = {"content": content} if content or not (tool_calls or reasoning) else {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
     if tool_calls:
         delta["tool_calls"] = tool_calls
     return delta
