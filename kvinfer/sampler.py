@@ -12,8 +12,8 @@ from kvinfer.structured import GrammarCompiler, apply_grammar_masks
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value (the first one on ties; a NaN counts as the largest, as in torch).
-    On CPU through numpy: torch's argmax over a 49k vocabulary takes ~120 us, numpy's ~9 (AMD EPYC, AVX2): the
-    difference is ~1.4% of a decode step of the built-in model."""
+    On CPU through numpy, which is an order of magnitude faster than torch's over a large vocabulary
+    (docs/BENCHMARKS.md, "Figures behind code decisions")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return logits.reshape(-1, logits.shape[-1]).numpy().argmax(axis=-1).tolist()
     return logits.reshape(-1, logits.shape[-1]).argmax(dim=-1).tolist()
@@ -78,8 +78,8 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     """One token from probs [vocab] (zeros never drawn) by inverse CDF: a single uniform number per draw.
 
-    torch.multinomial draws one exponential number per vocabulary entry (about 1.3 ms for 49k entries on this
-    kind of CPU, a quarter of a 16-row sampled decode step); this costs one cumulative sum (~70 us). The sum runs
+    torch.multinomial draws one exponential number per vocabulary entry; this costs one cumulative sum, far less
+    (docs/BENCHMARKS.md, "Figures behind code decisions"). The sum runs
     in float64 in index order, so the draw depends only on the row and its generator.
     """
     cdf = probs.to(torch.float64).cumsum(0)  # [vocab]

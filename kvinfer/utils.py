@@ -20,7 +20,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 def gc_paused(fn):
     """Run fn with Python's cyclic garbage collector off (restored after, as it was). Loading a model creates
     ~10^5 tracked containers (a vocabulary's merges, the metadata) and nothing cyclic to free: left on, the
-    collector runs ~100 times over that growing heap, 80 ms of the built-in model's ~0.4 s load."""
+    collector runs again and again over that growing heap, a visible share of a small model's load."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

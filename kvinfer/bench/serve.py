@@ -120,8 +120,8 @@ async def _run_http(url: str, work, concurrency: int, model: str) -> dict:
 
 def _in_thread(fn, *args):
     """Run fn on a fresh thread, as the server's engine thread runs. On a busy 2-core machine, torch ops
-    issued from the main thread measured 2.7x slower than the same ops from a worker thread (OpenMP team
-    oversubscription), which would credit HTTP with a speed-up that is not its own."""
+    issued from the main thread ran much slower than from a worker thread (OpenMP team oversubscription;
+    docs/BENCHMARKS.md), which would credit HTTP with a speed-up that is not its own."""
     import threading
 
     box = {}

@@ -66,10 +66,10 @@ def _keep_tiles(model) -> None:
 
 def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     """--kv-cache-dtype auto: bfloat16 where quantised weights run on the CPU kernels with float32 activations
-    (half the bytes per token; decode attention reads the whole cache each step, Intel Xeon `bench throughput`
-    1.27x), else the model's dtype. The rounding (2^-9 relative) is well below the weights' 4-bit quantisation
-    error, and llama.cpp keeps such models' caches in fp16 by default. Every backend rounds alike (none
-    included), so a request's result still does not depend on the backend."""
+    (half the bytes per token; decode attention reads the whole cache each step, so throughput gains:
+    docs/BENCHMARKS.md, "Figures behind code decisions"), else the model's dtype. The rounding (2^-9 relative) is
+    well below the weights' 4-bit quantisation error, and llama.cpp keeps such models' caches in fp16 by default.
+    Every backend rounds alike (none included), so a request's result still does not depend on the backend."""
     from kvinfer import kernels
     from kvinfer.layers.quant_linear import QuantLinear
 

@@ -93,8 +93,7 @@ static uint8_t fp8_encode(float v) {
  * spread over its group, so the group's scale, and with it every value's rounding step, shrinks; attention
  * rotates q the same way (q.k is unchanged: (H q / R).(H k) = q.k) and rotates its output back
  * (sum p H v = H sum p v). The butterflies run in a fixed order and 1/R is exact, so every level computes the
- * same bits. (Measured on the built-in model: rotating whole 64-value heads instead gave the same mean |logprob
- * difference|.) */
+ * same bits. (Rotating whole 64-value heads instead was no better: docs/BENCHMARKS.md.) */
 static inline void wht(float *x, int64_t n) {
     for (int64_t len = 1; len < n; len <<= 1)
         for (int64_t i = 0; i < n; i += len << 1)
@@ -271,8 +270,7 @@ static inline __attribute__((always_inline)) void values64_16(const void *vbase,
 #endif
 
 /* Query tokens of one sequence whose pieces are computed together (each row read once for all; a bfloat16 cache's
- * rows widened once for all). 16 rather than 4: a 512-token prefill's attention 88-91 -> 76-80 ms with the
- * widening (Intel Xeon, 2 threads, bfloat16 cache), 68 -> 65 with a float32 cache. */
+ * rows widened once for all). 16 rather than 4: faster long prefills (docs/BENCHMARKS.md). */
 #define QTILE 16
 #define WIDEN_MIN_TOKENS 4 /* tokens of a tile from which a bfloat16 piece is widened first */
 
@@ -938,7 +936,7 @@ int kvq_attention(const struct kvq_attn *jp) {
                             piece_range(&j, t0 + i, c, &p0, &p1s[i]);
                             parts[i] = local + i * per_tok + c * G * (D + 2);
                         }
-                        /* widening pays from a few tokens a tile (a decode token alone: 1.1x slower) */
+                        /* widening pays from a few tokens a tile, not for a decode token alone */
                         piece64_tile(&j, t0 + a, n - a, g, p0, p1s + a, (float *)s, parts + a,
                                      n - a >= WIDEN_MIN_TOKENS ? wide : NULL);
                     }

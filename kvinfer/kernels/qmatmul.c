@@ -17,7 +17,7 @@
  * one VNNI vpdpwssd per pair of elements for 16 columns at once, no reduction).
  * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32
  * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of
- * it is what let the tiles in; it also measured 1.06-1.16x faster on the vector route at 1-512 rows (Intel Xeon).
+ * it is what let the tiles in, and it is faster on the vector route too (docs/BENCHMARKS.md).
  * At the AVX-512 level a weight kept in tile layout (kvq_amx_tiles_pack) is read by both routes: the tiles, and
  * below them kept_rows, whose vpdpbusd multiplies the activations' two bytes by the quants as stored: again the
  * same int32 per block.
@@ -46,9 +46,8 @@
 #define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
 #define MIN_BYTES_PER_THREAD (16 * 1024)
 /* Weight bytes ahead of the block being read that a first pass over a slab asks the cache for. The hardware
- * prefetchers alone leave a one-row decode about 4% short (all of the built-in model's matmuls, 2 threads, AMD
- * EPYC Zen 3: 1.02-1.10x faster with it over 8 interleaved runs, 1.00-1.05x at 5 and 16 rows, within noise at 64
- * and 128; 512 and 2048 bytes did about as well). Later row tiles find the slab in L2 and skip it. */
+ * prefetchers alone leave a one-row decode short (docs/BENCHMARKS.md). Later row tiles find the slab in L2 and
+ * skip it. */
 #define PREFETCH_BYTES 1024
 
 static int block_bytes(int qt) {
@@ -418,7 +417,7 @@ static inline __attribute__((always_inline)) void tile_f16(const float *x, int64
 #pragma GCC unroll 8
             for (int r = 0; r < MT; r++) {
                 __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
-                __asm__("" : "+v"(xv)); /* one load for both columns' FMAs (GCC folds it into each: 1.2x slower) */
+                __asm__("" : "+v"(xv)); /* one load for both columns' FMAs (GCC would fold it into each, slower) */
                 acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
             }
@@ -1147,12 +1146,10 @@ BF16P_TARGET int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t
  * gone. vpdpbusd multiplies unsigned by signed bytes: the int16 activations go in as two unsigned bytes each,
  * hi + 128 (hi = xq >> 8) and lo = xq & 255, and with S the sum of a column's 32 quants (vpdpbusd of ones, once
  * per block for all rows) D_b = 256 * (sum((hi + 128) q) - 128 S) + sum(lo q): the same exact int32, every
- * intermediate below 2^31 in magnitude, followed by the same float operations: the same bits as every route.
- * Built-in model (Q4_1), Intel Xeon, 2 threads, all of its matmuls against tile_q_lanes over the GGUF rows:
- * 1.05-1.14x at 1 row, 1.13-1.18x at 2, 1.08x at 9; with the tiles off, 1.06-1.08x at 512; its Q8_0 head alone
- * 1.01-1.03x at 1 row, 1.05-1.06x at 2, 1.16-1.19x at 9. */
-/* Blocks of the copy asked for ahead of the one multiplied (the hardware prefetchers alone fall behind); measured
- * best, Intel Xeon: 4-bit (256 bytes a block) 32 of 8, 16, 32, 48, 64; Q8_0 (512 bytes) 4 of 4, 8, 12, 16, 32. */
+ * intermediate below 2^31 in magnitude, followed by the same float operations: the same bits as every route,
+ * faster than tile_q_lanes over the GGUF rows (docs/BENCHMARKS.md). */
+/* Blocks of the copy asked for ahead of the one multiplied (the hardware prefetchers alone fall behind); the best
+ * of the distances tried (docs/BENCHMARKS.md). */
 #define KEPT_AHEAD(qt) ((qt) == QT_Q8_0 ? 4 : 32)
 
 static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, const float *dx, const float *sx,

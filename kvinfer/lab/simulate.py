@@ -64,10 +64,9 @@ class CostModel:
                               f"to this model's shapes")
 
 
-# Measured with `kvinfer simulate --fit --threads 2` on the project's 2-core machine while it was quiet (load
-# average 1.9), with the int16-activation decode matmuls, the fused decode step, the paged decode kernel and
-# the prefill row kernels. Checked against `kvinfer bench throughput` on the same machine the same day:
-# predicted 133.5 generated tok/s (130.3 with a second fit), measured 126.0 (6% apart).
+# Fitted with `kvinfer simulate --fit --threads 2` on the project's 2-core machine while it was quiet, with the
+# int16-activation decode matmuls, the fused decode step, the paged decode kernel and the prefill row kernels;
+# its check against `kvinfer bench throughput` is in docs/BENCHMARKS.md ("Figures behind code decisions").
 # Re-fit on another machine with --fit (use --threads 1 --fit-clock cpu if it is shared and busy).
 FITTED = CostModel(
     a=0.00393589, b=0.00174535, c=0.000842619, d=2.92649e-06,

@@ -14,11 +14,9 @@ from kvinfer import kernels
 from kvinfer.loaders.dequant import block_info, dequantize, nbytes_for, type_name
 
 # Up to this many rows (tokens) per call the quantised kernel runs; beyond it a float32 copy of the weight and
-# torch's GEMM. Measured on a 2-core AVX2 EPYC, 1 thread, ms per call, kernel vs float32 mm: the kernel wins
-# clearly up to 16 rows, about ties at 32 (0.53 vs 0.59 for 960x576, 0.32 vs 0.30 for 576x576) and loses by
-# 10-20% from 64 rows on, where MKL's blocking pays off. The vocabulary-sized LM head (49152x576 Q8_0, whose
-# float32 copy is 113 MB) is different: the kernel wins up to 128 rows and trails by only 5-12% at 256-512, so
-# QuantEmbedding.as_linear() never switches.
+# torch's GEMM: the two about tie at 32 rows and MKL's blocking wins beyond (docs/BENCHMARKS.md, "Figures behind
+# code decisions"). The vocabulary-sized LM head, whose float32 copy would be large, stays on the kernel at every
+# row count, so QuantEmbedding.as_linear() never switches.
 DEFAULT_KERNEL_MAX_ROWS = 32
 
 RawWeight = Union[torch.Tensor, np.ndarray]

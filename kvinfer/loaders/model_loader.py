@@ -34,9 +34,8 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # CPU: float32, the dtype of the batch-invariant kernels (quantised matmuls, paged attention, the fused
-        # decode step). Measured on the AVX-512 BF16 kind: bfloat16 made single-stream decode 4-5x slower (no
-        # quantised kernels) and on AVX2 PyTorch emulates bf16 matmuls (60x slower); --dtype bfloat16 is still
-        # there, on the eager path.
+        # decode step). bfloat16 would leave the quantised kernels (much slower decode, and on AVX2 PyTorch
+        # emulates bf16 matmuls: docs/BENCHMARKS.md); --dtype bfloat16 is still there, on the eager path.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 

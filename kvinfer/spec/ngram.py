@@ -31,8 +31,8 @@ class NgramIndex:
 
     def propose_match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
         """propose(), and the length n of the n-gram that matched (0: none). A longer match is a better bet: on
-        the extractive workload of `bench spec` a 4-gram's first proposed token was right 94% of the time, a
-        single token's 42%."""
+        the extractive workload of `bench spec` a 4-gram's first proposed token is right far more often than a
+        single token's (docs/BENCHMARKS.md, "Figures behind code decisions")."""
         total = len(tokens)
         self._index_upto(tokens, total - 1)
         for n in range(min(self.ngram_max, total - 1), self.ngram_min - 1, -1):

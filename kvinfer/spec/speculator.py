@@ -111,10 +111,9 @@ class StepRates:
 def default_tokens(method: str, device) -> int:
     """Most tokens proposed per step when num_speculative_tokens is not given. A draft model's proposals cost a
     draft step each: 4. Prompt lookup's cost nothing, and what a verified row costs decides: 8 where it is cheap
-    (a GPU; the AVX-512 kernels, where a 9-row verification costs about 2.2 one-row steps and k=8 measured
-    1.34-1.41x against 1.31-1.33x for k=4 single stream), 4 on the AVX2 and portable kernels (a row costs about a
-    third of a one-row step; k=8 measured 1.10x against 1.2-1.4x on an AMD EPYC, and no better than k=4 on the
-    Intel Xeon forced to the AVX2 kernels)."""
+    (a GPU; the AVX-512 kernels, where a verified row costs a small fraction of a one-row step), 4 on the AVX2 and
+    portable kernels, where a row costs more and k=8 measured no better than k=4 (docs/BENCHMARKS.md, "Figures
+    behind code decisions")."""
     if method == "draft":
         return 4
     if getattr(device, "type", device) == "cpu":
