@@ -435,7 +435,9 @@ def cmd_models(args) -> int:
         SUPPORTED_GGUF_TYPES = ()
     print("Architectures (Hugging Face model_type): " + ", ".join(sorted(FAMILIES))
           + " (mixtral, qwen2_moe, qwen3_moe: mixture of experts)")
-    print("GGUF architectures: llama, qwen2")
+    from kvinfer.loaders.gguf_loader import SUPPORTED_ARCHITECTURES
+
+    print(f"GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
     print("GGUF tensor types: " + ", ".join(SUPPORTED_GGUF_TYPES))
     print("Formats: HF directory (config.json + *.safetensors, sharded or not), GGUF file, dummy (random weights)")
     print("Presets for --load-format dummy and plan: " + ", ".join(PRESETS))

@@ -88,6 +88,11 @@ def test_head_counts_decide_the_sizes_that_work(builtin_model_path):
     assert kv_heads_per_rank(gqa, 4) == 1 and kv_heads_per_rank(gqa, 2) == 1  # replicated, then split
     with pytest.raises(ValidationError):
         check_tp_size(gqa, 3)  # 3 neither divides nor is a multiple of 2 KV heads
+    moe = cfg.replace(num_heads=12, num_kv_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    assert valid_sizes(moe) == [1]
+    with pytest.raises(ValidationError, match="mixture-of-experts model \\(8 experts\\)") as e:
+        check_tp_size(moe, 2)
+    assert "\n" not in str(e.value)
 
 
 def test_gguf_split_inside_a_block_is_named():

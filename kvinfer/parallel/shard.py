@@ -19,6 +19,8 @@ from kvinfer.loaders.dequant import block_info
 
 def _fits(cfg: ModelConfig, tp: int) -> bool:
     kv = cfg.num_kv_heads
+    if cfg.num_experts and tp > 1:  # experts are not sharded (yet)
+        return False
     return (cfg.num_heads % tp == 0 and cfg.intermediate_size % tp == 0
             and (kv % tp == 0 or tp % kv == 0))
 
@@ -31,6 +33,9 @@ def check_tp_size(cfg: ModelConfig, tp: int, param: str = "tensor_parallel_size"
     """A one-line error naming the head counts and the sizes that work."""
     if tp < 1:
         raise ValidationError(param, tp, "must be >= 1")
+    if tp > 1 and cfg.num_experts:
+        raise ValidationError(param, tp, f"must be 1 for a mixture-of-experts model ({cfg.num_experts} experts): "
+                                         "tensor parallelism does not shard experts yet")
     if not _fits(cfg, tp):
         sizes = ", ".join(map(str, valid_sizes(cfg)))
         raise ValidationError(param, tp, f"must divide the {cfg.num_heads} attention heads and the "
