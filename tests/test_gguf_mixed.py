@@ -16,7 +16,7 @@ from gguf.quants import quantize as ref_quantize
 
 from kvinfer import kernels
 from kvinfer.config import EngineConfig
-from kvinfer.layers.quant_linear import QuantLinear
+from kvinfer.layers.quant_linear import QuantLinear, QuantParts
 from kvinfer.loaders.model_loader import load_model
 from kvinfer.utils import builtin_model_path
 from tests.reference_helpers import step_logits
@@ -84,11 +84,13 @@ def test_mixed_fused_projection_loads_and_matches_float(tmp_path, caplog):
         q = load(path)
     notes = [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
     assert len(notes) == 1, notes
-    # Layer 0's mixed q/k/v and gate/up plus its Q5_0 down are widened (Q5_0 is not a kernel type here).
+    # Layer 0's gate/up (Q5_0 with Q8_0) and its Q5_0 down are widened (Q5_0 is not a kernel type here); its q/k/v
+    # (Q4_0, Q4_0, Q8_0: kernel types, mixed) stays quantized, one QuantLinear per part.
     widened = {t for t in ("Q5_0", "Q4_0", "Q8_0") if t in notes[0]}
-    assert "Q5_0" in widened and str(path) in notes[0] and "MiB" in notes[0]
+    assert "Q5_0" in widened and str(path) in notes[0] and "MiB" in notes[0] and "attn_" not in notes[0]
     l0, l1 = q.model.layers
-    assert not isinstance(l0.attn.qkv, QuantLinear) and not isinstance(l0.mlp.gate_up, QuantLinear)
+    assert isinstance(l0.attn.qkv, QuantParts) and [p.qtype for p in l0.attn.qkv.parts] == ["Q4_0", "Q4_0", "Q8_0"]
+    assert not isinstance(l0.mlp.gate_up, (QuantLinear, QuantParts))
     assert isinstance(l0.attn.o, QuantLinear) and isinstance(l1.attn.qkv, QuantLinear)
     assert isinstance(l1.mlp.gate_up, QuantLinear)
     assert not any(t.is_meta for t in list(q.model.parameters()) + list(q.model.buffers()))

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from kvinfer.loaders.dequant import type_name
 
-# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer only
-# when all its parts share one type, so the parts are kept quantized (lazy) together or widened together.
+# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer whose
+# parts are all kernel types (one QuantLinear, or one per part where the types differ, as in Q4_K_M), so the
+# parts are kept quantized (lazy) together or widened together.
 _FUSED_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
@@ -20,8 +21,8 @@ def _fusion_group(hf_name: str) -> str:
 
 
 def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: frozenset) -> set[str]:
-    """HF names of the matrices left quantized: 2-D, of a type in lazy_types, and every part of their fused
-    group of that same type (a mixed group, e.g. Q5_0 q/k with a Q8_0 v in a Q4_K_M file, is widened whole).
+    """HF names of the matrices left quantized: 2-D, and every part of their fused group of a type in lazy_types
+    (a group of Q4_K q/k with a Q6_K v stays quantized in parts; one with any other type is widened whole).
 
     names: GGUF name -> HF name; infos: GGUF name -> (shape, type id)."""
     group_types: dict[str, set[str]] = {}
@@ -30,7 +31,7 @@ def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: froze
     out = set()
     for gname, hf in names.items():
         types = group_types[_fusion_group(hf)]
-        if len(infos[gname][0]) == 2 and len(types) == 1 and next(iter(types)) in lazy_types:
+        if len(infos[gname][0]) == 2 and types <= lazy_types:
             out.add(hf)
     return out
 
