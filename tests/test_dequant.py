@@ -22,11 +22,11 @@ from kvinfer.loaders.dequant import (
 )
 
 ALL_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # Byte offsets of the f16 scale fields inside one block; random bytes there could be inf/nan.
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
 SHAPES = [(256,), (1, 256), (5, 512), (2, 3, 768), (64, 1024)]
 
@@ -108,7 +108,7 @@ def test_accepts_type_as_id_enum_name_and_any_array_dtype():
     assert not np.array_equal(out.numpy(), data)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, int(T.IQ4_NL), "Q8_K", 99])
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, int(T.Q8_1), "Q8_K", 99])
 def test_unsupported_type(qtype):
     with pytest.raises(UnsupportedError) as e:
         dequantize(np.zeros(66, np.uint8), qtype, (256,))

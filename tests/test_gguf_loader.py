@@ -389,12 +389,12 @@ def test_unsupported_tensor_type(tiny_llama, tmp_path):
     _, cfg, state = tiny_llama
     state = dict(state)
     w = state.pop("model.layers.0.mlp.up_proj.weight")  # [128, 64]
-    _, type_size = gguf.GGML_QUANT_SIZES[T.IQ4_NL]
+    _, type_size = gguf.GGML_QUANT_SIZES[T.Q8_1]
     iq = np.zeros((128, 64 // 32 * type_size), np.uint8)
     path = write_gguf(tmp_path / "iq.gguf", "llama", cfg, state,
-                      extra_tensors=[("blk.0.ffn_up.weight", iq, T.IQ4_NL)])
+                      extra_tensors=[("blk.0.ffn_up.weight", iq, T.Q8_1)])
     assert w.shape == (128, 64)
-    with pytest.raises(UnsupportedError, match="GGUF tensor type IQ4_NL is not supported"):
+    with pytest.raises(UnsupportedError, match="GGUF tensor type Q8_1 is not supported"):
         read_gguf(path)
 
 

@@ -12,7 +12,7 @@ from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
 # GGML type ids (ggml.h); kept here so this module does not depend on the gguf package's enum.
 _TYPE_IDS = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
-    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30,
+    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
 }
 _TYPE_NAMES = {i: n for n, i in _TYPE_IDS.items()}  # type_name runs a few thousand times per model load
 _QK_K = 256
@@ -21,6 +21,7 @@ _BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (_QK_K, 84), "Q3_K": (_QK_K, 110), "Q4_K": (_QK_K, 144), "Q5_K": (_QK_K, 176), "Q6_K": (_QK_K, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (_QK_K, 136),
 }
 SUPPORTED_GGUF_TYPES: tuple[str, ...] = tuple(_BLOCKS)
 
@@ -209,10 +210,32 @@ def _deq_q6_k(b):
     return q.mul_(dl)
 
 
+# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl).
+_IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
+
+
+def _deq_iq4_nl(b):
+    return _IQ4NL[_nibbles(b[:, 2:]).long()].mul_(_f16(b, 0))
+
+
+def _deq_iq4_xs(b):
+    n = b.shape[0]
+    # Eight 6-bit scales: low nibbles in bytes 4..7 (two per byte), high two bits in the uint16 at byte 2.
+    lo = b[:, 4:8]
+    sc_lo = torch.stack((lo & 15, lo >> 4), dim=2).reshape(n, 8).to(torch.int32)
+    hi = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    sc_hi = (hi >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+    dl = (_f16(b, 0) * ((sc_lo | (sc_hi << 4)) - 32).to(torch.float32)).unsqueeze(-1)
+    qs = b[:, 8:].reshape(n, 8, 16)
+    q = _IQ4NL[torch.cat((qs & 15, qs >> 4), dim=2).long()]
+    return (q * dl).reshape(n, _QK_K)
+
+
 _DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16,
     "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q8_0": _deq_q8_0,
     "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k,
+    "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
 }
 
 

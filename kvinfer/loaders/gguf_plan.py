@@ -5,6 +5,8 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
+
 from kvinfer.loaders.dequant import type_name
 
 # Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer whose
@@ -20,14 +22,48 @@ def _fusion_group(hf_name: str) -> str:
     return m.group(1) + _FUSED_GROUP[m.group(2)]
 
 
+# Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
+# (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). The loader rewrites such blocks as Q8_0 (34 bytes
+# for 22 / 18) and the Q8_0 kernels take them: the same values as the gguf package dequantizes, at 1.5-1.9x the
+# file's bytes for those matrices, not the 5.8-7.1x of float32.
+AS_Q8_0 = frozenset({"Q5_0", "IQ4_NL"})
+_IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def kernel_type(tname: str, lazy_types: frozenset) -> str:
+    """The type a matrix stored as tname is kept in (itself, or Q8_0 for AS_Q8_0 types when the kernels take Q8_0)."""
+    return "Q8_0" if tname in AS_Q8_0 and "Q8_0" in lazy_types else tname
+
+
+def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
+    """Blocks of type tname (AS_Q8_0; uint8, any shape whose last axis holds whole blocks) as Q8_0 blocks with the
+    same d and the same integer per weight: uint8 [..., blocks * 34]."""
+    bb = {"Q5_0": 22, "IQ4_NL": 18}[tname]
+    lead = data.shape[:-1]
+    blk = np.ascontiguousarray(data).reshape(-1, bb)
+    out = np.empty((blk.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = blk[:, :2]  # d
+    if tname == "Q5_0":
+        qh = blk[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is the fifth bit of weight j
+        qs = blk[:, 6:22]
+        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, 32]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16) | (bits.astype(np.int16) << 4)
+        out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
+    else:
+        qs = blk[:, 2:18]
+        out[:, 2:] = _IQ4NL_VALUES[np.concatenate([qs & 15, qs >> 4], axis=1)].view(np.uint8)
+    return out.reshape(*lead, -1)
+
+
 def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: frozenset) -> set[str]:
-    """HF names of the matrices left quantized: 2-D, and every part of their fused group of a type in lazy_types
-    (a group of Q4_K q/k with a Q6_K v stays quantized in parts; one with any other type is widened whole).
+    """HF names of the matrices left quantized: 2-D, and every part of their fused group of a type the kernels take
+    (kernel_type) (a group of Q4_K q/k with a Q6_K v stays quantized in parts; one with any other type is widened
+    whole).
 
     names: GGUF name -> HF name; infos: GGUF name -> (shape, type id)."""
     group_types: dict[str, set[str]] = {}
     for gname, hf in names.items():
-        group_types.setdefault(_fusion_group(hf), set()).add(type_name(infos[gname][1]))
+        group_types.setdefault(_fusion_group(hf), set()).add(kernel_type(type_name(infos[gname][1]), lazy_types))
     out = set()
     for gname, hf in names.items():
         types = group_types[_fusion_group(hf)]
