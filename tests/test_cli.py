@@ -84,11 +84,11 @@ def test_unsupported_gguf_tensor_type(capsys, tmp_path, tiny_llama):  # noqa: F8
     _, cfg, state = tiny_llama
     state = dict(state)
     state.pop("model.layers.0.mlp.up_proj.weight")
-    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
     iq = np.zeros((128, 64 // 32 * type_size), np.uint8)
     path = write_gguf(tmp_path / "iq.gguf", "llama", cfg, state,
-                      extra_tensors=[("blk.0.ffn_up.weight", iq, gguf.GGMLQuantizationType.IQ4_NL)])
-    one_line_error(*run_main(capsys, ["generate", "hi", "--model", str(path)]), "IQ4_NL", "not supported")
+                      extra_tensors=[("blk.0.ffn_up.weight", iq, gguf.GGMLQuantizationType.Q8_1)])
+    one_line_error(*run_main(capsys, ["generate", "hi", "--model", str(path)]), "Q8_1", "not supported")
 
 
 def test_prompt_longer_than_context(capsys):
