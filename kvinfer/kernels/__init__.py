@@ -315,8 +315,7 @@ class Kernels:
         """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into tile layout (per 16 output columns: the
         quants as VNNI instructions and AMX tiles take them, then the blocks' scales; as many bytes as the GGML
         rows) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking, and the
-        vector route without its per-block transpose (the built-in model's matmuls 1.05-1.14x at 1 row, 1.13-1.18x
-        at 2, 1.08x at 9, Intel Xeon). None below
+        vector route without its per-block transpose (docs/BENCHMARKS.md). None below
         the avx512 level or where W is not quantised; the copy lives (and stays registered) as long as the
         result."""
         if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu

@@ -291,8 +291,8 @@ static inline __attribute__((always_inline)) void piece64_rows(const struct kvq_
     const int esz = DT == KV_BF16 ? 2 : 4;
     for (int64_t i0 = 0; i0 < P1 - p0; i0 += 8) {
         /* the next 8 positions' key rows, and these 8 positions' value rows (read after this piece's scores):
-         * asked for ahead, as rows sit wherever their blocks are (bench kv-attention, Intel Xeon, 2 threads:
-         * 1.6-1.7x at 65,536 positions, where the cache streams from memory; 1.06-1.26x at 4,096) */
+         * asked for ahead, as rows sit wherever their blocks are; it pays most where the cache streams from
+         * memory (docs/BENCHMARKS.md, "Figures behind code decisions") */
         for (int64_t u = i0 + 8; u < i0 + 16 && u < P1 - p0; u++)
             for (int o = 0; o < 64 * esz; o += 64) __builtin_prefetch((const char *)kb + offs[u] * esz + o);
         for (int64_t u = i0; u < i0 + 8 && u < P1 - p0; u++)

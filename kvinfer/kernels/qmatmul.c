@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq
             for (int r = 0; r < MT; r++) {
                 const int16_t *xr = xq + (r * nb + b) * QK;
                 /* four chains of dependent VNNI instructions, not one of 16: a chain's latency, not the
-                 * instructions, bounded this loop (1.25x at 5 rows). Exact integers: any order. */
+                 * instructions, bounded this loop (docs/BENCHMARKS.md). Exact integers: any order. */
                 __m512i Dp[4];
 #pragma GCC unroll 16
                 for (int jj = 0; jj < 16; jj++) {
@@ -491,10 +491,8 @@ struct job {
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cpuid.h>
-/* Tiles vs vectors, end to end (greedy decode of n sequences, the built-in model, Intel Xeon, 2 threads): with 16
- * columns per VNNI register and 16-row tiles the vector route won up to 20 sequences (9: 750 against 561 tok/s,
- * 16: 838-845 against 803-820, 20: 807-816 against 764-766), the tiles drew at 24 and won at 32 (928-931 against
- * 831-857). */
+/* Tiles vs vectors, end to end: the vector route won up to 20 sequences, the tiles drew at 24 and won at 32
+ * (docs/BENCHMARKS.md, "Figures behind code decisions"). */
 #define AMX_MIN_ROWS 24
 #define AMX_COLS 32 /* output columns per pass: two 16-column tiles */
 
@@ -588,8 +586,7 @@ static void amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t 
  * 32 b + 4 k + i of each column; 4-bit types as the GGML nibbles, 4 rows), then the blocks' d of the 16 columns
  * as fp16 bits, then (Q4_1) their m. That is the GGML bytes' size (Q8_0: 544 per block of 16 columns, Q4_1:
  * 320), so a one-row decode reads no more than from the GGML rows. Same quants into the same exact integer
- * products: same results. Intel Xeon, 2 threads, built-in model, 128 greedy tokens for each of n sequences (the
- * earlier 32-column layout, AMX route): 1.16x at 12, 1.16-1.25x at 16. */
+ * products: same results (the gain: docs/BENCHMARKS.md, "Figures behind code decisions"). */
 #define KEPT_COLS 16
 static int kept_qbytes(int qt) { return qt == QT_Q8_0 ? 8 * 64 : 4 * 64; } /* quants of a block of 16 columns */
 static int64_t kept_group_bytes(int64_t nb, int qt) {
@@ -740,9 +737,9 @@ static uint8_t *amx_scratch(size_t n) {
  * rounded up to 16][K]; kept: the weight in tile layout, or NULL to unpack each pass here.
  * The passes' operands are unpacked first (all of them, or a span that fits the scratch; the same work as one
  * pass at a time), then each 16-row group of x (its bytes stay in L1) meets every pass of the span, and a block's
- * float work runs while the next block multiplies. This order against pass after pass over all rows, with 4
- * blocks' products stored before their float work (Intel Xeon, 2 threads, the built-in model's matmuls, the same
- * bits): 512 rows 1.39x, 103 rows 1.35x, 24 rows 1.09x. perf put the old order's stalls on the tile loads of
+ * float work runs while the next block multiplies. This order beat pass after pass over all rows, with 4
+ * blocks' products stored before their float work, at every row count measured (docs/BENCHMARKS.md). perf put
+ * the old order's stalls on the tile loads of
  * x from L2; tile multiplies and the float work hardly overlap either way (a loop of both takes about the sum of
  * each alone). */
 static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j, const int8_t *xh,
@@ -1028,7 +1025,7 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t b = 0; b < nb; b++) {
-                    for (int l = 0; l < 16; l++) { /* the weights two blocks ahead, from L2 (1.09x at 512 rows) */
+                    for (int l = 0; l < 16; l++) { /* the weights two blocks ahead, from L2 (docs/BENCHMARKS.md) */
                         _mm_prefetch((const char *)(b0 + (b + 2) * 512) + 64 * l, _MM_HINT_T0);
                         _mm_prefetch((const char *)(b1 + (b + 2) * 512) + 64 * l, _MM_HINT_T0);
                     }

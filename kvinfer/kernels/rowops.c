@@ -69,7 +69,7 @@ void kvq_layer_norm(const float *x, int64_t rows, int64_t ldx, const float *w, c
 void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n) {
     int64_t i = 0;
     const vf one = vf_set1(1.0f), zero = vf_zero();
-#if KVQ_LEVEL >= 2 /* 16 lanes, the same operations (a 512-token prefill's activations 1.6x) */
+#if KVQ_LEVEL >= 2 /* 16 lanes, the same operations (faster on prefill activations: docs/BENCHMARKS.md) */
     for (; i + 16 <= n; i += 16) {
         const __m512 x = _mm512_loadu_ps(g + i);
         const __m512 e = v16_exp(_mm512_sub_ps(_mm512_setzero_ps(), x));

@@ -211,7 +211,8 @@ def _deq_q6_k(b):
 
 
 # IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues_iq4nl).
-_IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4NL = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
 
 
 def _deq_iq4_nl(b):

@@ -521,7 +521,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         # the lazy matrices' blocks are kept and every other tensor's bytes are dropped once widened.
         raw_all = keep_raw and not lazy_types
         widened = []
-        relaid: dict[str, list[int]] = {}  # type -> [matrices, bytes in the file] rewritten as Q8_0
+        relaid: dict[str, list[int]] = {}  # type -> [matrices, bytes in the file, bytes as Q8_0]
         for gname, hf in names.items():
             info = infos[gname]
             n_head = None
@@ -535,9 +535,10 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             if hf in lazy_set or raw_all:
                 data = f.read_tensor(info, order)
                 if hf in lazy_set and kernel_type(tname, lazy_types) != tname:  # the same values, as Q8_0 blocks
-                    count = relaid.setdefault(tname, [0, 0])
+                    count = relaid.setdefault(tname, [0, 0, 0])
                     count[0], count[1] = count[0] + 1, count[1] + data.nbytes
                     data = as_q8_0(data.reshape(info.shape[0], -1), tname).reshape(-1)
+                    count[2] += data.nbytes
                     tname = types[hf] = "Q8_0"
                 raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
                 if hf in lazy_set:
@@ -553,9 +554,8 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             log.warning("%s", widening_note(f.path, widened))
         if relaid:
             log.info("GGUF file %s: %s kept as Q8_0 blocks (the same weights; %.1f MiB for %.1f MiB in the file)",
-                     f.path, ", ".join(f"{t} x{c}" for t, (c, _) in sorted(relaid.items())),
-                     sum(n * 34 / (22 if t == "Q5_0" else 18) for t, (_, n) in relaid.items()) / 2**20,
-                     sum(n for _, n in relaid.values()) / 2**20)
+                     f.path, ", ".join(f"{t} x{c[0]}" for t, c in sorted(relaid.items())),
+                     sum(c[2] for c in relaid.values()) / 2**20, sum(c[1] for c in relaid.values()) / 2**20)
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = dict(lazy)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvinfer.loaders.dequant import type_name
+from kvinfer.loaders.dequant import IQ4NL_VALUES, block_info, type_name
 
 # Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer whose
 # parts are all kernel types (one QuantLinear, or one per part where the types differ, as in Q4_K_M), so the
@@ -25,9 +25,9 @@ def _fusion_group(hf_name: str) -> str:
 # Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
 # (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). The loader rewrites such blocks as Q8_0 (34 bytes
 # for 22 / 18) and the Q8_0 kernels take them: the same values as the gguf package dequantizes, at 1.5-1.9x the
-# file's bytes for those matrices, not the 5.8-7.1x of float32.
+# file's bytes for those matrices, well below float32's.
 AS_Q8_0 = frozenset({"Q5_0", "IQ4_NL"})
-_IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_IQ4NL_VALUES = np.array(IQ4NL_VALUES, dtype=np.int8)
 
 
 def kernel_type(tname: str, lazy_types: frozenset) -> str:
@@ -38,7 +38,8 @@ def kernel_type(tname: str, lazy_types: frozenset) -> str:
 def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
     """Blocks of type tname (AS_Q8_0; uint8, any shape whose last axis holds whole blocks) as Q8_0 blocks with the
     same d and the same integer per weight: uint8 [..., blocks * 34]."""
-    bb = {"Q5_0": 22, "IQ4_NL": 18}[tname]
+    assert tname in AS_Q8_0, tname
+    bb = block_info(tname)[1]
     lead = data.shape[:-1]
     blk = np.ascontiguousarray(data).reshape(-1, bb)
     out = np.empty((blk.shape[0], 34), dtype=np.uint8)
