@@ -163,3 +163,85 @@ def test_quantize_from_gguf_keeps_a_mixed_layer_in_parts():
     want = torch.cat([kernels.matmul(x, raw[f"{p}mlp.{n}.weight"][0], q) for n, q in (("gate_proj", "Q4_K"),
                                                                                      ("up_proj", "Q6_K"))], 1)
     assert torch.equal(layer.mlp.gate_up(x), want)
+
+
+needs_kept = pytest.mark.skipif(kernels.best_level() != "avx512",
+                                reason="kept copies are an avx512-level layout; this CPU has no AVX-512 VNNI")
+
+
+@needs_kept
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype):
+    # kquants.c's kept route (VNNI over the copy laid out at load) against kq_cols over the GGUF rows: every row
+    # count (row tiles of 8 and their tails), thread count, a tail group of 13 columns, a bias, an all-zero row
+    lib = kernels.library("avx512")
+    n, k = 45, 768
+    raw = torch.from_numpy(make_raw(qtype, n, k, seed=30))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(31))
+    x[7] = 0.0
+    bias = torch.randn(n)
+    want = {m: lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=1) for m in (1, 2, 8, 9, 19)}
+    kept = lib.keep_tiles(raw, n, k, qtype)
+    assert kept is not None and kept.nbytes >= raw.numel()
+    try:
+        for m, y in want.items():
+            for nt in (1, 2, 3):
+                assert torch.equal(lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=nt), y), (m, nt)
+        assert rel_err(want[19], reference_i16(x, raw.numpy(), qtype, n, k) + bias.double()) < TOL
+        kept.tiles[:64] ^= 1  # the copy is what the kernel reads now
+        assert not torch.equal(lib.matmul(x[:1], raw, qtype, bias=bias), want[1])
+        kept.tiles[:64] ^= 1
+    finally:
+        kept.release()
+
+
+@needs_kept
+@pytest.mark.parametrize("qtype", KTYPES + ("Q4_0", "Q4_1"))
+def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qtype):
+    lib = kernels.library("avx512")
+    n, k = 200, 1024
+    if qtype in KTYPES:
+        raw_np = make_raw(qtype, n, k, seed=40)
+    else:  # random quants, sane fp16 d (and m)
+        bb = 18 if qtype == "Q4_0" else 20
+        rng = np.random.default_rng(41)
+        blocks = rng.integers(0, 256, (n, k // 32, bb), dtype=np.uint8)
+        blocks[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if qtype == "Q4_1":
+            blocks[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
+        raw_np = blocks.reshape(n, -1)
+    # page-aligned private memory, as a large read buffer is: the drop really gives pages back
+    import mmap
+    buf = mmap.mmap(-1, raw_np.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8).view(n, -1)
+    raw.copy_(torch.from_numpy(np.ascontiguousarray(raw_np)))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(42))
+    ids = torch.tensor([0, 199, 17, 17, 64])
+    y, rows = lib.matmul(x, raw, qtype), lib.embed_rows(raw, qtype, ids, k)
+    kept = lib.keep_tiles(raw, n, k, qtype, drop_source=True)
+    assert kept is not None and kept.dropped
+    assert int(raw.count_nonzero()) < raw.numel() // 2  # the pages read back as zeros: they were given back
+    assert torch.equal(lib.matmul(x, raw, qtype), y)  # the kernels read the copy
+    assert torch.equal(lib.embed_rows(raw, qtype, ids, k), rows)
+    with pytest.raises(ValueError):
+        lib.embed_rows(raw, qtype, torch.tensor([200]), k)
+    kept.restore_source()
+    assert torch.equal(raw, torch.from_numpy(np.ascontiguousarray(raw_np)))  # the file's bytes again
+    kept.release()
+    del raw
+    buf.close()
+
+
+@pytest.mark.skipif(kernels.level() != "avx512", reason="the active kernels are not the avx512 level's")
+def test_quant_linear_source_restores_a_dropped_weight():
+    n, k = 64, 512
+    raw = make_raw("Q4_K", n, k, seed=50)
+    lin = QuantLinear(torch.from_numpy(raw.copy()), "Q4_K", (n, k))
+    x = torch.randn(2, k)
+    y = lin(x)
+    if lin._tiles is None:
+        pytest.skip("the active kernels keep no copies (KVINFER_AMX_KEEP=0)")
+    assert lin._tiles.drop_source()
+    assert torch.equal(lin(x), y)
+    assert torch.equal(lin.source(), torch.from_numpy(raw)) and not lin._tiles.dropped
+    assert torch.equal(lin.dequantized_weight(), deq(raw, "Q4_K", n, k))

@@ -53,7 +53,8 @@ def available_memory(device: torch.device) -> int:
 def _keep_tiles(model) -> None:
     """Where the kernels read quantised weights in tile layout (the avx512 level), unpack each quantised linear's
     weight into it now (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the
-    weights' memory."""
+    weights' memory. Where the copy holds every byte of the GGML rows, their pages are given back as they are
+    packed, so the process holds each weight once (QuantLinear.source() brings them back for other readers)."""
     from kvinfer import kernels
     from kvinfer.layers.quant_linear import QuantLinear
 
@@ -61,7 +62,7 @@ def _keep_tiles(model) -> None:
         return
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.raw.is_cpu:
-            m.uses_kernel()
+            m.uses_kernel(drop_source=True)
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:

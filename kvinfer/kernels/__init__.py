@@ -205,6 +205,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_amx_min_rows": ([], c_int),
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
+        "kvq_kept_rows": ([vp, i64, i64, c_int, vp, i64, vp, i64], c_int),
         "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
         "kvq_amx_bf16_enable": ([c_int], c_int),
         "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
@@ -215,25 +216,79 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes, fn.restype = args, res
 
 
+# Types whose kept copy holds every byte of the GGUF rows (kvq_kept_rows reads them back), so the rows themselves
+# need not stay resident; and the source bytes packed at a time when they are dropped (the peak above the copy).
+_DROPPABLE = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+_DROP_CHUNK_BYTES = 32 << 20
+_MADV_DONTNEED = 4
+
+
+def _drop_pages(addr: int, nbytes: int) -> None:
+    """Gives the whole pages of [addr, addr + nbytes) back to the OS (private memory: they read as zeros, or as the
+    file's bytes for a private file mapping, until written again). The caller restores them before any read."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    a, b = -(-addr // page) * page, (addr + nbytes) // page * page
+    if b > a:
+        _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC.madvise.restype = ctypes.c_int
+    return _LIBC
+
+
 class KeptTiles:
     """A weight's copy in AMX tile layout, registered with the library under the weight's address (by
     Kernels.keep_tiles) for as long as this object lives. It holds the weight too, so that the address cannot be
-    reused meanwhile; the weight's bytes must not change while it is kept."""
+    reused meanwhile; the weight's bytes must not change while it is kept.
 
-    __slots__ = ("_lib", "weight", "tiles", "__weakref__")
+    With dropped set, the weight's own pages were given back once packed (every kernel that reads the weight finds
+    the copy: matmuls and embedding rows); restore_source() writes the GGUF bytes back from the copy for readers
+    outside the kernels (dequantization, sharding), and release() does so before unregistering."""
 
-    def __init__(self, lib: "Kernels", w: torch.Tensor, tiles: torch.Tensor):
+    __slots__ = ("_lib", "weight", "tiles", "qtype", "n", "k", "dropped", "__weakref__")
+
+    def __init__(self, lib: "Kernels", w: torch.Tensor, tiles: torch.Tensor, qtype: str = "", n: int = 0,
+                 k: int = 0, dropped: bool = False):
         self._lib, self.weight, self.tiles = lib, w, tiles
+        self.qtype, self.n, self.k, self.dropped = qtype, n, k, dropped
 
     @property
     def nbytes(self) -> int:
         return self.tiles.numel()
 
+    def restore_source(self) -> None:
+        """Makes the weight's GGUF bytes resident again (if they were dropped), from the copy."""
+        if self.dropped and self.tiles is not None:
+            _restore(self._lib, self.tiles, self.weight, self.n, self.k, self.qtype)
+            self.dropped = False
+
+    def drop_source(self) -> bool:
+        """Gives the weight's pages back now (a type whose copy holds every byte). Returns whether they are."""
+        if not self.dropped and self.tiles is not None and self.qtype in _DROPPABLE and self.weight.is_contiguous():
+            _drop_pages(self.weight.data_ptr(), self.weight.numel())
+            self.dropped = True
+        return self.dropped
+
     def release(self) -> None:
         """Unregisters the copy (matmuls of the weight go back to unpacking per call)."""
         if self.tiles is not None:
+            self.restore_source()
             self._lib.lib.kvq_amx_tiles_register(self.weight.data_ptr(), 0, 0, 0, 0, None)
             self.tiles = None
+
+
+def _restore(lib: "Kernels", tiles: torch.Tensor, w: torch.Tensor, n: int, k: int, qtype: str) -> None:
+    ids = torch.arange(n, dtype=torch.int64)
+    _check(lib.lib.kvq_kept_rows(tiles.data_ptr(), n, k, QTYPES[qtype], ids.data_ptr(), n, w.data_ptr(),
+                                 w.stride(0)), "restoring a weight from its kept copy")
 
     def __del__(self):
         try:
@@ -311,13 +366,15 @@ class Kernels:
         AMX or not (its vector route reads that layout too)."""
         return self.level == "avx512"
 
-    def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str) -> Optional["KeptTiles"]:
+    def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str,
+                   drop_source: bool = False) -> Optional["KeptTiles"]:
         """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into tile layout (per 16 output columns: the
         quants as VNNI instructions and AMX tiles take them, then the blocks' scales; as many bytes as the GGML
         rows) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking, and the
-        vector route without its per-block transpose (docs/BENCHMARKS.md). None below
-        the avx512 level or where W is not quantised; the copy lives (and stays registered) as long as the
-        result."""
+        vector route without its per-block transpose (docs/KQUANTS.md, docs/BENCHMARKS.md). None below the avx512
+        level or where W is not quantised; the copy lives (and stays registered) as long as the result.
+        drop_source (Q4_0, Q4_1, K-quants): W's pages are given back as they are packed, so the process holds the
+        weight once; W must then be read only by the kernels or after KeptTiles.restore_source()."""
         if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
                 or w.stride(1) != 1):
             return None
@@ -326,12 +383,24 @@ class Kernels:
         if nbytes <= 0:
             return None
         tiles = torch.empty(nbytes, dtype=torch.uint8)
-        _check(self.lib.kvq_amx_tiles_pack(w.data_ptr(), n, k, w.stride(0), qt, tiles.data_ptr(),
-                                           torch.get_num_threads()), "AMX tile packing")
-        if self.lib.kvq_amx_tiles_register(w.data_ptr(), n, k, w.stride(0), qt, tiles.data_ptr()):
+        drop = drop_source and qtype in _DROPPABLE and (n <= 1 or w.is_contiguous())
+        ld, nt = w.stride(0), torch.get_num_threads()
+        # Dropping: packed in runs of rows (whole groups of 32 columns), each run's source pages given back once
+        # packed, so the copy never sits beside the whole source.
+        step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32) if drop else n
+        group = self.lib.kvq_amx_tiles_bytes(16, k, qt)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            _check(self.lib.kvq_amx_tiles_pack(w.data_ptr() + r0 * ld, r1 - r0, k, ld, qt,
+                                               tiles.data_ptr() + r0 // 16 * group, nt), "AMX tile packing")
+            if drop:
+                _drop_pages(w.data_ptr() + r0 * ld, (r1 - r0) * ld)
+        if self.lib.kvq_amx_tiles_register(w.data_ptr(), n, k, ld, qt, tiles.data_ptr()):
+            if drop:
+                _restore(self, tiles, w, n, k, qtype)
             log.warning("AMX tile layout not kept for a %dx%d %s weight (registry full)", n, k, qtype)
             return None
-        return KeptTiles(self, w, tiles)
+        return KeptTiles(self, w, tiles, qtype, n, k, drop)
 
     # -- matmul ---------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,

@@ -23,6 +23,19 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
                   int qt, const float *bias, float *y, int64_t ldy, int nthreads);
 int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out);
 void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx);
+/* The avx512 level's kept copies: K-quant weights laid out once for VNNI (kquants.c; kvq_amx_tiles_bytes / pack hand
+ * them over, 0 bytes / KVQ_EBADTYPE at the other levels), the registry lookup (qmatmul.c: the copy registered for
+ * exactly this weight, or NULL) and the activations' two bytes per int16 (hi + 128, lo; 64 bytes per block of 32). */
+int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt);
+int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
+const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt);
+/* Rows ids[0..n) of a kept weight as the GGUF bytes it was packed from (out: n rows ldo bytes apart), so that
+ * the source rows may be dropped: Q4_0, Q4_1 and the K-quants; KVQ_EBADTYPE for other types and levels. */
+int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                  int64_t ldo);
+int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                     int64_t ldo);
+void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu);
 
 /* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level a quantised
  * weight may be kept in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister); both

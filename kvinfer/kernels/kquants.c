@@ -241,6 +241,11 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
     return KVQ_OK;
 }
 
+#if KVQ_LEVEL >= 2
+#define KC 16 /* output columns per kept group (below) */
+static void kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1);
+#endif
+
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
                   int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
     const int bb = kq_block_bytes(qt);
@@ -258,12 +263,39 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
     const struct kq_job j = {xq, dx, sx, bias, w, y, M, K, N, ldw, ldy, qt};
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
-    const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + KG - 1) / KG;
+    int64_t cols = KG;
+    uint8_t *xu = NULL;
+#if KVQ_LEVEL >= 2
+    const uint8_t *kept = kvq_kept_lookup(w, N, K, ldw, qt);
+    if (kept) {
+        xu = (uint8_t *)malloc((size_t)(M * K * 2));
+        if (!xu) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        kvq_split_bytes(xq, M, K, xu);
+        cols = KC;
+    }
+#endif
+    const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + cols - 1) / cols;
     if ((int64_t)nt > work / KQ_MIN_BYTES_PER_THREAD) nt = (int)(work / KQ_MIN_BYTES_PER_THREAD);
     if (nt > groups) nt = (int)groups;
     if (nt < 1) nt = 1;
     int rc = KVQ_OK;
-    if (nt == 1) {
+    if (xu) {
+#if KVQ_LEVEL >= 2
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+            int tid = 0, nth = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const int64_t e = groups * (tid + 1) / nth * KC;
+            kc_cols(&j, xu, kept, groups * tid / nth * KC, e < N ? e : N); /* whole groups each */
+        }
+#endif
+    } else if (nt == 1) {
         rc = kq_run(&j, 0, N);
     } else {
 #pragma omp parallel num_threads(nt)
@@ -281,7 +313,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             }
         }
     }
-    free(xq), free(dx), free(sx);
+    free(xq), free(dx), free(sx), free(xu);
     return rc;
 }
 
@@ -305,3 +337,271 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
         }
     return KVQ_OK;
 }
+
+#if KVQ_LEVEL >= 2
+/* ---- kept copies (the avx512 level): the super-blocks of 16 output columns laid out once for VNNI ----
+ * kvq_amx_tiles_pack hands K-quant weights here, and kvq_kq_matmul reads the registered copy instead of the GGUF
+ * rows. Per group of 16 columns, super-block after super-block (kc_sb_bytes each, a multiple of 64):
+ *   Q4_K / Q5_K: the 128 quant bytes as 32 rows of 64 (row 8c + k: bytes 32c + 4k..32c + 4k + 3 of each column:
+ *   low nibbles are sub-block 2c's quants 4k.., high nibbles sub-block 2c + 1's), Q5_K then its 32 high-bit
+ *   bytes as 8 rows the same way (bit j: sub-block j), then sc[j][column], m[j][column] (one byte each), then the
+ *   16 columns' d, dmin as fp16 bits.
+ *   Q6_K: ql as 32 rows (row 16h + 8p + k: ql[64h + 32p + 4k..]), qh as 16 rows (row 8h + k: qh[32h + 4k..]),
+ *   sc[t][column] (int8), the 16 d as fp16 bits, 32 bytes of padding.
+ * That is the GGUF bytes' size (plus 1.0-2.5%), so a one-row decode reads no more. A 32-value block's 8 rows of
+ * quants (4 per column and row) meet the activations' two bytes (hi + 128, lo; kvq_split_bytes) in vpdpbusd, as
+ * qmatmul.c's kept_rows does: with S the column's quant sum (Q6_K: of q - 32), D = 256 * (sum((hi + 128) q) -
+ * 128 S) + sum(lo q), the exact int32 kq_cols computes, then its float operations in its order, one column per
+ * lane: the same bits. */
+#define KC_MT 8 /* x rows per tile */
+#define KC_AHEAD 4 /* super-blocks of the copy asked for ahead of the one multiplied */
+
+static int kc_sb_bytes(int qt) {
+    switch (qt) {
+    case QT_Q4_K: return 2368;
+    case QT_Q5_K: return 2880;
+    case QT_Q6_K: return 3392;
+    default: return 0;
+    }
+}
+
+int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt) {
+    const int sbb = kc_sb_bytes(qt);
+    if (!sbb || N <= 0 || K <= 0 || K % QK_K) return 0;
+    return (N + KC - 1) / KC * (K / QK_K) * sbb;
+}
+
+/* Bytes 4k..4k + 3 (k < nrows) of each column's src + off, as rows of 64 at dst. */
+static void kc_rows(const uint8_t *const *cols, int64_t off, int nrows, uint8_t *dst) {
+    for (int k = 0; k < nrows; k++)
+        for (int u = 0; u < KC; u++) memcpy(dst + 64 * k + 4 * u, cols[u] + off + 4 * k, 4);
+}
+
+int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
+    const int sbb = kc_sb_bytes(qt), bb = kq_block_bytes(qt);
+    if (!kvq_kq_kept_bytes(N, K, qt) || (uintptr_t)dst % 64) return KVQ_EBADSHAPE;
+    const int64_t nsb = K / QK_K, groups = (N + KC - 1) / KC;
+    if (ldw < nsb * bb) return KVQ_EROWBYTES;
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        for (int64_t s = 0; s < nsb; s++) {
+            uint8_t *o = dst + (gi * nsb + s) * sbb;
+            const uint8_t *b[KC]; /* past N: the last column again (never stored) */
+            for (int u = 0; u < KC; u++) b[u] = w + (gi * KC + u < N ? gi * KC + u : N - 1) * ldw + s * bb;
+            memset(o, 0, (size_t)sbb);
+            if (qt == QT_Q6_K) {
+                kc_rows(b, 0, 32, o);          /* ql[0..128): rows 16h + 8p + k are bytes 64h + 32p + 4k */
+                kc_rows(b, 128, 16, o + 2048); /* qh[0..64): rows 8h + k are bytes 32h + 4k */
+                for (int t = 0; t < 16; t++)
+                    for (int u = 0; u < KC; u++) o[3072 + 16 * t + u] = b[u][192 + t];
+                for (int u = 0; u < KC; u++) memcpy(o + 3328 + 2 * u, b[u] + 208, 2);
+                continue;
+            }
+            const int q5 = qt == QT_Q5_K, so = q5 ? 2560 : 2048;
+            kc_rows(b, q5 ? 48 : 16, 32, o);
+            if (q5) kc_rows(b, 16, 8, o + 2048);
+            for (int u = 0; u < KC; u++) {
+                for (int j = 0; j < 8; j++) {
+                    int sc, m;
+                    kq_scale_min(b[u] + 4, j, &sc, &m);
+                    o[so + 16 * j + u] = (uint8_t)sc, o[so + 128 + 16 * j + u] = (uint8_t)m;
+                }
+                memcpy(o + so + 256 + 2 * u, b[u], 2);
+                memcpy(o + so + 288 + 2 * u, b[u] + 2, 2);
+            }
+        }
+    }
+    return KVQ_OK;
+}
+
+/* sum over k in [k0, k0 + 4) of the activation bytes' products with W[k], hi and lo apart, as two short chains. */
+static inline __attribute__((always_inline)) __m512i kc_dot4(const uint8_t *xr, const __m512i *W, int k0,
+                                                             __m512i s15) {
+    int32_t a[4], e[4];
+    memcpy(a, xr + 4 * k0, 16), memcpy(e, xr + 32 + 4 * k0, 16);
+    __m512i h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(a[0]), W[k0]);
+    __m512i h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(a[1]), W[k0 + 1]);
+    __m512i l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(e[0]), W[k0]);
+    __m512i l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(e[1]), W[k0 + 1]);
+    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(a[2]), W[k0 + 2]);
+    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(a[3]), W[k0 + 3]);
+    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(e[2]), W[k0 + 2]);
+    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(e[3]), W[k0 + 3]);
+    const __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), s15);
+    return _mm512_add_epi32(hi, _mm512_add_epi32(l0, l1));
+}
+
+static inline __attribute__((always_inline)) __m512i kc_qsum(const __m512i *W, int k0, int n) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i s = _mm512_setzero_si512();
+    for (int k = k0; k < k0 + n; k++) s = _mm512_dpbusd_epi32(s, ones, W[k]);
+    return _mm512_slli_epi32(s, 15);
+}
+
+/* MT rows (xu, dx, sx at the first) against one group's copy gp; y at the group's first column. */
+static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
+                                                          int64_t nb, int64_t nsb, const uint8_t *gp, float *y,
+                                                          int64_t ldy, int g, const int qt, const int MT) {
+    const int sbb = kc_sb_bytes(qt);
+    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    __m512 acc[KC_MT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = gp + s * sbb;
+        for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
+        __m512i W[8];
+        if (qt == QT_Q6_K) {
+            const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + 3328)));
+            const __m512i o32 = _mm512_set1_epi8(32);
+            for (int b8 = 0; b8 < 8; b8++) {
+                const int h = b8 >> 2, t = b8 & 3, p = t & 1, sh = 4 * (t >> 1);
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const __m512i lo = _mm512_load_si512(sb + 64 * (16 * h + 8 * p + k));
+                    const __m512i hb = _mm512_load_si512(sb + 2048 + 64 * (8 * h + k));
+                    W[k] = _mm512_sub_epi8(
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, sh), m4),
+                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * t), m3), 4)),
+                        o32);
+                }
+                const __m512i s0 = kc_qsum(W, 0, 4), s1 = kc_qsum(W, 4, 4);
+                const __m512 ds0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                         _mm_load_si128((const __m128i *)(sb + 3072 + 32 * b8)))));
+                const __m512 ds1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                         _mm_load_si128((const __m128i *)(sb + 3088 + 32 * b8)))));
+#pragma GCC unroll 8
+                for (int r = 0; r < MT; r++) {
+                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
+                    const __m512i D0 = kc_dot4(xr, W, 0, s0), D1 = kc_dot4(xr, W, 4, s1);
+                    const __m512 vdx = _mm512_set1_ps(dx[r * nb + s * 8 + b8]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D0), _mm512_mul_ps(ds0, vdx), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D1), _mm512_mul_ps(ds1, vdx), acc[r]);
+                }
+            }
+            continue;
+        }
+        const int so = qt == QT_Q5_K ? 2560 : 2048;
+        const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + so + 256)));
+        const __m512 vmin = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + so + 288)));
+        for (int j = 0; j < 8; j++) {
+            const int c = j >> 1, sh = 4 * (j & 1);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                W[k] = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(sb + 64 * (8 * c + k)), sh), m4);
+                if (qt == QT_Q5_K) {
+                    const __m512i hb = _mm512_load_si512(sb + 2048 + 64 * k);
+                    W[k] = _mm512_or_si512(W[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, j), one), 4));
+                }
+            }
+            const __m512i s15 = kc_qsum(W, 0, 8);
+            const __m512 vds = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                     _mm_load_si128((const __m128i *)(sb + so + 16 * j)))));
+            const __m512 vdm = _mm512_mul_ps(vmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                       _mm_load_si128((const __m128i *)(sb + so + 128 + 16 * j)))));
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
+                /* the block's 8 rows of quants as two 4-row dot products, hi corrections split between them */
+                const __m512i D = _mm512_add_epi32(kc_dot4(xr, W, 0, _mm512_setzero_si512()),
+                                                   kc_dot4(xr, W, 4, s15));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vds, _mm512_set1_ps(dx[r * nb + s * 8 + j])),
+                                         acc[r]);
+                acc[r] = _mm512_fnmadd_ps(vdm, _mm512_set1_ps(sx[r * nb + s * 8 + j]), acc[r]);
+            }
+        }
+    }
+    const __mmask16 keep = g == KC ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+typedef void (*kc_fn)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
+                      int64_t, int);
+#define KC_TILE(MT)                                                                                             \
+    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, int64_t nb, int64_t nsb,       \
+                            const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {                          \
+        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
+        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
+        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                                          \
+    }
+KC_TILE(1)
+KC_TILE(2)
+KC_TILE(3)
+KC_TILE(4)
+KC_TILE(5)
+KC_TILE(6)
+KC_TILE(7)
+KC_TILE(8)
+typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
+                       int64_t, int, int);
+static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4,
+                                           kc_tile5, kc_tile6, kc_tile7, kc_tile8};
+
+/* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy; then the bias, one add. */
+static void kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
+    const int64_t nsb = j->K / QK_K, nb = j->K / 32, gb = nsb * kc_sb_bytes(j->qt);
+    for (int64_t n = n0; n < n1; n += KC) {
+        const int g = n1 - n < KC ? (int)(n1 - n) : KC;
+        for (int64_t r = 0; r < j->M; r += KC_MT) {
+            const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
+            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, nb, nsb, kept + n / KC * gb,
+                        j->y + r * j->ldy + n, j->ldy, g, j->qt);
+        }
+        if (j->bias)
+            for (int64_t r = 0; r < j->M; r++)
+                for (int u = 0; u < g; u++) j->y[r * j->ldy + n + u] = j->y[r * j->ldy + n + u] + j->bias[n + u];
+    }
+}
+/* Rows ids[0..n) of the weight, in GGUF bytes, from its kept copy (out: n rows ldo bytes apart): the layout above
+ * read back. Q4_K / Q5_K's scales[12] are packed again from sc_j, m_j; all 96 bits carry them, so the bytes are the
+ * file's. */
+int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                     int64_t ldo) {
+    const int sbb = kc_sb_bytes(qt), bb = kq_block_bytes(qt);
+    if (!kvq_kq_kept_bytes(N, K, qt)) return KVQ_EBADTYPE;
+    const int64_t nsb = K / QK_K, gb = nsb * sbb;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return KVQ_EBADSHAPE;
+        const int u = (int)(ids[i] % KC);
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *sb = kept + ids[i] / KC * gb + s * sbb;
+            uint8_t *o = out + i * ldo + s * bb;
+            if (qt == QT_Q6_K) {
+                for (int r = 0; r < 48; r++) memcpy(o + 4 * r, sb + 64 * r + 4 * u, 4); /* ql, then qh */
+                for (int t = 0; t < 16; t++) o[192 + t] = sb[3072 + 16 * t + u];
+                memcpy(o + 208, sb + 3328 + 2 * u, 2);
+                continue;
+            }
+            const int q5 = qt == QT_Q5_K, so = q5 ? 2560 : 2048;
+            for (int r = 0; r < 32; r++) memcpy(o + (q5 ? 48 : 16) + 4 * r, sb + 64 * r + 4 * u, 4);
+            if (q5)
+                for (int r = 0; r < 8; r++) memcpy(o + 16 + 4 * r, sb + 2048 + 64 * r + 4 * u, 4);
+            memcpy(o, sb + so + 256 + 2 * u, 2);
+            memcpy(o + 2, sb + so + 288 + 2 * u, 2);
+            uint8_t sc[8], m[8];
+            for (int j = 0; j < 8; j++) sc[j] = sb[so + 16 * j + u], m[j] = sb[so + 128 + 16 * j + u];
+            for (int j = 0; j < 4; j++) {
+                o[4 + j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+                o[8 + j] = (uint8_t)((m[j] & 63) | ((m[j + 4] >> 4) << 6));
+                o[12 + j] = (uint8_t)((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+            }
+        }
+    }
+    return KVQ_OK;
+}
+#else
+int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                     int64_t ldo) {
+    (void)kept, (void)N, (void)K, (void)qt, (void)ids, (void)n, (void)out, (void)ldo;
+    return KVQ_EBADTYPE;
+}
+int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt) {
+    (void)N, (void)K, (void)qt;
+    return 0;
+}
+int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
+    (void)w, (void)N, (void)K, (void)ldw, (void)qt, (void)dst, (void)nthreads;
+    return KVQ_EBADTYPE;
+}
+#endif

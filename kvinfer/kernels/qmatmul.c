@@ -612,11 +612,13 @@ static inline __attribute__((always_inline)) void kept_quants(const uint8_t *gq,
 }
 
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
+    if (kq_is_kquant(qt)) return kvq_kq_kept_bytes(N, K, qt);
     if (!block_bytes(qt) || K <= 0 || K % QK || N <= 0) return 0;
     return (N + KEPT_COLS - 1) / KEPT_COLS * kept_group_bytes(K / QK, qt);
 }
 
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
+    if (kq_is_kquant(qt)) return kvq_kq_kept_pack(w, N, K, ldw, qt, dst, nthreads);
     const int64_t bytes = kvq_amx_tiles_bytes(N, K, qt), nb = K / QK;
     if (!bytes) return KVQ_EBADSHAPE;
     if (ldw < nb * block_bytes(qt)) return KVQ_EROWBYTES;
@@ -703,18 +705,42 @@ int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, 
     return rc;
 }
 
-static const uint8_t *amx_kept_tiles(const struct job *j) {
+const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
+    if (__atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) == 0) return NULL;
     const uint8_t *t = NULL;
     pthread_mutex_lock(&amx_kept_lock);
     for (int i = 0; i < amx_nkept; i++)
-        if (amx_kept[i].w == j->w) {
+        if (amx_kept[i].w == w) {
             const struct amx_kept *e = &amx_kept[i];
-            if (e->N == j->N && e->K == j->K && e->ldw == j->ldw && e->qt == j->qt) t = e->tiles;
+            if (e->N == N && e->K == K && e->ldw == ldw && e->qt == qt) t = e->tiles;
             break;
         }
     pthread_mutex_unlock(&amx_kept_lock);
     return t;
 }
+
+int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                  int64_t ldo) {
+    if (kq_is_kquant(qt)) return kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo);
+    if (qt != QT_Q4_0 && qt != QT_Q4_1) return KVQ_EBADTYPE;
+    if (K <= 0 || K % QK || N <= 0) return KVQ_EBADSHAPE;
+    const int64_t nb = K / QK, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt), qo = qt == QT_Q4_1 ? 4 : 2;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return KVQ_EBADSHAPE;
+        const uint8_t *gq = kept + ids[i] / KEPT_COLS * gb;
+        const uint16_t *dh = (const uint16_t *)(gq + nb * kept_qbytes(qt)), *mh = dh + nb * KEPT_COLS;
+        const int64_t u = ids[i] % KEPT_COLS;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + i * ldo + b * bb;
+            for (int k = 0; k < 4; k++) memcpy(o + qo + 4 * k, gq + b * 256 + 64 * k + 4 * u, 4);
+            memcpy(o, dh + b * KEPT_COLS + u, 2);
+            if (qt == QT_Q4_1) memcpy(o + 2, mh + b * KEPT_COLS + u, 2);
+        }
+    }
+    return KVQ_OK;
+}
+
+static const uint8_t *amx_kept_tiles(const struct job *j) { return kvq_kept_lookup(j->w, j->N, j->K, j->ldw, j->qt); }
 
 /* A thread's AMX scratch (the operands of a span of its column passes), kept between calls: a fresh allocation of
  * this size is a fresh mapping, whose page faults cost more than the multiplies of a small matmul. At most
@@ -1231,7 +1257,7 @@ static const kept_fn kepts[MT_MAX + 1] = {NULL, kept_rows1, kept_rows2, kept_row
                                           kept_rows16};
 
 /* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + 128, then 32 bytes lo. */
-static void split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
+void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
     for (int64_t i = 0; i < M * K; i += QK)
         for (int e = 0; e < QK; e++) {
             xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + 128);
@@ -1259,6 +1285,17 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
 int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
     (void)w, (void)N, (void)K, (void)ldw, (void)qt;
     return tiles ? KVQ_EBADTYPE : KVQ_OK;
+}
+
+const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
+    (void)w, (void)N, (void)K, (void)ldw, (void)qt;
+    return NULL;
+}
+
+int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                  int64_t ldo) {
+    (void)kept, (void)N, (void)K, (void)qt, (void)ids, (void)n, (void)out, (void)ldo;
+    return KVQ_EBADTYPE;
 }
 
 int kvq_amx_bf16_enable(int on) { /* no tiles at this level */
@@ -1369,7 +1406,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 #endif
     if (bb) quantize_rows(x, M, K, ldx, xq, dx, sx);
 #ifdef KVQ_HAVE_AMX
-    if (xu) split_bytes(xq, M, K, xu);
+    if (xu) kvq_split_bytes(xq, M, K, xu);
 #endif
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
@@ -1403,8 +1440,30 @@ int kvq_matmul_packed(const int64_t *a) {
 /* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
  * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply,
  * then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside [0, N). */
+static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
+                           int64_t K, float *out);
+
 int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
                    float *out) {
+    /* A weight with a kept copy may have dropped its GGUF rows (kvq_kept_rows): the rows asked for come from the
+     * copy, byte for byte, and then decode as usual. */
+    const uint8_t *kept = n > 0 && K > 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (kept) {
+        uint8_t *rows = (uint8_t *)malloc((size_t)(n * ldw));
+        int64_t *seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+        int rc = rows && seq ? kvq_kept_rows(kept, N, K, qt, ids, n, rows, ldw) : KVQ_ENOMEM;
+        if (rc == KVQ_OK) {
+            for (int64_t i = 0; i < n; i++) seq[i] = i;
+            rc = embed_gguf_rows(rows, ldw, qt, seq, n, n, K, out);
+        }
+        free(rows), free(seq);
+        if (rc != KVQ_EBADTYPE) return rc;
+    }
+    return embed_gguf_rows(w, ldw, qt, ids, n, N, K, out);
+}
+
+static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
+                           int64_t K, float *out) {
     if (kq_is_kquant(qt)) {
         if (n < 0 || K <= 0) return KVQ_EBADSHAPE;
         for (int64_t r = 0; r < n; r++)

@@ -144,25 +144,35 @@ class QuantLinear(nn.Module):
             self._tiles = None
         return super()._apply(fn, *args, **kwargs)
 
+    def source(self) -> torch.Tensor:
+        """The raw GGML rows, made resident again first if the kernels' kept copy had them dropped."""
+        tiles = getattr(self, "_tiles", None)
+        if tiles is not None:
+            tiles.restore_source()
+        return self.raw
+
     def dequantized_weight(self) -> torch.Tensor:
         """W as float32 [N, K] (cached when keep_dequantized)."""
         w = self._weight
         if w is None:
-            w = dequantize(self.raw, self.qtype, (self.out_features, self.in_features))
+            w = dequantize(self.source(), self.qtype, (self.out_features, self.in_features))
             if self.keep_dequantized:
                 self._weight = w
         return w
 
-    def uses_kernel(self) -> bool:
-        """Whether float32 CPU batches go to the quantised kernel."""
+    def uses_kernel(self, drop_source: bool = False) -> bool:
+        """Whether float32 CPU batches go to the quantised kernel. drop_source: where the kernels keep a copy that
+        holds every byte of the weight, the GGML rows' pages are given back (source() restores them)."""
         if not self._kernel_checked:
             if self._qt is not None and kernels.available() and self.raw.is_cpu:
                 self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
                                                       self.bias)
                 if kernels.keep_tiles_enabled():
                     self._tiles = kernels.active().keep_tiles(self.raw, self.out_features, self.in_features,
-                                                              self.qtype)
+                                                              self.qtype, drop_source=drop_source)
             self._kernel_checked = True
+        elif drop_source and getattr(self, "_tiles", None) is not None:
+            self._tiles.drop_source()
         return self._kernel is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

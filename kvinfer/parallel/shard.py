@@ -171,7 +171,7 @@ def _take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     rows = rows.to(m.raw.device if isinstance(m, QuantLinear) else m.weight.device)
     bias = None if m.bias is None else m.bias.detach()[rows].clone()
     if isinstance(m, QuantLinear):
-        q = QuantLinear(m.raw.index_select(0, rows), m.qtype, (len(rows), m.in_features), bias,
+        q = QuantLinear(m.source().index_select(0, rows), m.qtype, (len(rows), m.in_features), bias,
                         kernel_max_rows=m.kernel_max_rows, keep_dequantized=m.keep_dequantized)
         if m._weight is not None:
             q._weight = m._weight.index_select(0, rows)  # the prefill copy, without dequantizing again
@@ -204,7 +204,7 @@ def _take_cols(m: nn.Module, k0: int, k1: int, name: str, group, stats: CommStat
                 f"tensor parallel: {name} ({m.qtype}, {m.in_features} inputs) would be split at input "
                 f"{k0 if k0 % elems else k1}, inside a {elems}-value {m.qtype} block; GGUF blocks cannot be cut (use another "
                 f"--tensor-parallel-size, or --quantization none to shard dequantized weights)")
-        raw = m.raw[:, k0 // elems * nbytes:k1 // elems * nbytes]
+        raw = m.source()[:, k0 // elems * nbytes:k1 // elems * nbytes]
         inner = QuantLinear(raw.contiguous(), m.qtype, (m.out_features, k1 - k0), None,
                             kernel_max_rows=m.kernel_max_rows, keep_dequantized=m.keep_dequantized)
         if m._weight is not None:
@@ -217,7 +217,7 @@ def _take_cols(m: nn.Module, k0: int, k1: int, name: str, group, stats: CommStat
 def _row_range(m: nn.Module, r0: int, r1: int) -> nn.Module:
     """Output rows [r0, r1) of a linear as a view where it can be (a tied head's rows are the embedding's bytes)."""
     if isinstance(m, QuantLinear):
-        q = QuantLinear(m.raw[r0:r1], m.qtype, (r1 - r0, m.in_features),
+        q = QuantLinear(m.source()[r0:r1], m.qtype, (r1 - r0, m.in_features),
                         None if m.bias is None else m.bias[r0:r1].clone(), kernel_max_rows=m.kernel_max_rows,
                         keep_dequantized=m.keep_dequantized)
         if m._weight is not None:
