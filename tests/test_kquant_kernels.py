@@ -165,16 +165,19 @@ def test_quantize_from_gguf_keeps_a_mixed_layer_in_parts():
     assert torch.equal(layer.mlp.gate_up(x), want)
 
 
-needs_kept = pytest.mark.skipif(kernels.best_level() != "avx512",
-                                reason="kept copies are an avx512-level layout; this CPU has no AVX-512 VNNI")
+KEPT_LEVELS = [lv for lv in ("avx2", "avx512") if lv in _levels_here()]
 
 
-@needs_kept
+@pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
 @pytest.mark.parametrize("qtype", KTYPES)
-def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype):
-    # kquants.c's kept route (VNNI over the copy laid out at load) against kq_cols over the GGUF rows: every row
-    # count (row tiles of 8 and their tails), thread count, a tail group of 13 columns, a bias, an all-zero row
-    lib = kernels.library("avx512")
+def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
+    # kquants.c's kept routes (byte dot products over the copy laid out at load; at avx2 from 3 rows the int16
+    # route reading the copy) against kq_cols over the GGUF rows: every row count (tiles and their tails), thread
+    # count, a tail group of 13 columns, a bias, an all-zero row
+    if level not in KEPT_LEVELS:
+        pytest.skip(f"this CPU cannot run the {level} level")
+    lib = kernels.library(level)
     n, k = 45, 768
     raw = torch.from_numpy(make_raw(qtype, n, k, seed=30))
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(31))
@@ -188,17 +191,23 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype):
             for nt in (1, 2, 3):
                 assert torch.equal(lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=nt), y), (m, nt)
         assert rel_err(want[19], reference_i16(x, raw.numpy(), qtype, n, k) + bias.double()) < TOL
-        kept.tiles[:64] ^= 1  # the copy is what the kernel reads now
+        kept.tiles[:64] ^= 1  # the copy is what the kernel reads now, on every route
         assert not torch.equal(lib.matmul(x[:1], raw, qtype, bias=bias), want[1])
+        assert not torch.equal(lib.matmul(x[:9], raw, qtype, bias=bias), want[9])
         kept.tiles[:64] ^= 1
     finally:
         kept.release()
 
 
-@needs_kept
+@pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
 @pytest.mark.parametrize("qtype", KTYPES + ("Q4_0", "Q4_1"))
-def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qtype):
-    lib = kernels.library("avx512")
+def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qtype, level):
+    if level not in KEPT_LEVELS:
+        pytest.skip(f"this CPU cannot run the {level} level")
+    if level == "avx2" and qtype not in KTYPES:
+        pytest.skip("at the avx2 level only K-quants have a kept copy")
+    lib = kernels.library(level)
     n, k = 200, 1024
     if qtype in KTYPES:
         raw_np = make_raw(qtype, n, k, seed=40)
@@ -221,7 +230,8 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
     kept = lib.keep_tiles(raw, n, k, qtype, drop_source=True)
     assert kept is not None and kept.dropped
     assert int(raw.count_nonzero()) < raw.numel() // 2  # the pages read back as zeros: they were given back
-    assert torch.equal(lib.matmul(x, raw, qtype), y)  # the kernels read the copy
+    assert torch.equal(lib.matmul(x, raw, qtype), y)  # the kernels read the copy (every route)
+    assert torch.equal(lib.matmul(x[:1].clone(), raw, qtype), y[:1])
     assert torch.equal(lib.embed_rows(raw, qtype, ids, k), rows)
     with pytest.raises(ValueError):
         lib.embed_rows(raw, qtype, torch.tensor([200]), k)
@@ -232,7 +242,7 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
     buf.close()
 
 
-@pytest.mark.skipif(kernels.level() != "avx512", reason="the active kernels are not the avx512 level's")
+@pytest.mark.skipif(kernels.level() not in ("avx2", "avx512"), reason="the active kernels keep no copies")
 def test_quant_linear_source_restores_a_dropped_weight():
     n, k = 64, 512
     raw = make_raw("Q4_K", n, k, seed=50)
@@ -245,3 +255,27 @@ def test_quant_linear_source_restores_a_dropped_weight():
     assert torch.equal(lin(x), y)
     assert torch.equal(lin.source(), torch.from_numpy(raw)) and not lin._tiles.dropped
     assert torch.equal(lin.dequantized_weight(), deq(raw, "Q4_K", n, k))
+
+
+@pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
+@pytest.mark.parametrize("qtype", KTYPES + ("Q4_0",))
+def test_a_kept_copy_unregisters_when_it_is_collected(qtype):
+    # The registry is keyed by the weight's address: an entry left behind by a collected copy would be found by the
+    # next weight allocated there (same shape and type) and its matmuls would read freed memory.
+    import gc
+    level = KEPT_LEVELS[-1]
+    if level == "avx2" and qtype not in KTYPES:
+        pytest.skip("at the avx2 level only K-quants have a kept copy")
+    lib = kernels.library(level)
+    n, k = 32, 512
+    raw = torch.from_numpy(make_raw(qtype, n, k, seed=60) if qtype in KTYPES
+                           else np.random.default_rng(61).integers(0, 256, (n, k // 32 * 18), dtype=np.uint8))
+    if qtype == "Q4_0":
+        raw.view(n, k // 32, 18)[:, :, 0:2] = torch.tensor(_f16(0.01))
+    code, ld = kernels.QTYPES[qtype], raw.stride(0)
+    kept = lib.keep_tiles(raw, n, k, qtype)
+    assert kept is not None
+    assert lib.lib.kvq_kept_lookup(raw.data_ptr(), n, k, ld, code) == kept.tiles.data_ptr()
+    del kept
+    gc.collect()
+    assert lib.lib.kvq_kept_lookup(raw.data_ptr(), n, k, ld, code) is None

@@ -53,8 +53,9 @@ def available_memory(device: torch.device) -> int:
 def _keep_tiles(model) -> None:
     """Where the kernels read quantised weights in tile layout (the avx512 level), unpack each quantised linear's
     weight into it now (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the
-    weights' memory. Where the copy holds every byte of the GGML rows, their pages are given back as they are
-    packed, so the process holds each weight once (QuantLinear.source() brings them back for other readers)."""
+    weights' memory. Unless KVINFER_DROP_SOURCE=0, where the copy holds every byte of the GGML rows, their pages are
+    given back as they are packed, so the process holds each weight once (QuantLinear.source() brings them back
+    for other readers)."""
     from kvinfer import kernels
     from kvinfer.layers.quant_linear import QuantLinear
 
@@ -62,7 +63,7 @@ def _keep_tiles(model) -> None:
         return
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.raw.is_cpu:
-            m.uses_kernel(drop_source=True)
+            m.uses_kernel(drop_source=kernels.drop_source_enabled())
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:

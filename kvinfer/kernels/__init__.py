@@ -206,6 +206,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
         "kvq_kept_rows": ([vp, i64, i64, c_int, vp, i64, vp, i64], c_int),
+        "kvq_kept_lookup": ([vp, i64, i64, i64, c_int], vp),
         "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
         "kvq_amx_bf16_enable": ([c_int], c_int),
         "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
@@ -284,17 +285,20 @@ class KeptTiles:
             self._lib.lib.kvq_amx_tiles_register(self.weight.data_ptr(), 0, 0, 0, 0, None)
             self.tiles = None
 
-
-def _restore(lib: "Kernels", tiles: torch.Tensor, w: torch.Tensor, n: int, k: int, qtype: str) -> None:
-    ids = torch.arange(n, dtype=torch.int64)
-    _check(lib.lib.kvq_kept_rows(tiles.data_ptr(), n, k, QTYPES[qtype], ids.data_ptr(), n, w.data_ptr(),
-                                 w.stride(0)), "restoring a weight from its kept copy")
-
     def __del__(self):
         try:
             self.release()
         except Exception:  # interpreter shutdown: the library may be gone already
             pass
+
+
+def _restore(lib: "Kernels", tiles: torch.Tensor, w: torch.Tensor, n: int, k: int, qtype: str) -> None:
+    """Writes every row of w (n GGML rows of k values) back from its kept copy."""
+    ids = torch.arange(n, dtype=torch.int64)
+    _check(lib.lib.kvq_kept_rows(tiles.data_ptr(), n, k, QTYPES[qtype], ids.data_ptr(), n, w.data_ptr(),
+                                 w.stride(0)), "restoring a weight from its kept copy")
+
+
 
 
 def _nt(n: Optional[int]) -> int:
@@ -362,9 +366,10 @@ class Kernels:
 
     @property
     def keeps_tiles(self) -> bool:
-        """Whether this level reads quantised weights from a copy in tile layout (keep_tiles): the avx512 level,
-        AMX or not (its vector route reads that layout too)."""
-        return self.level == "avx512"
+        """Whether this level reads quantised weights from a copy laid out for its vectors (keep_tiles): the avx512
+        level, AMX or not (its vector route reads that layout too), every quantised type; the avx2 level, the
+        K-quants."""
+        return self.level in ("avx512", "avx2")
 
     def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str,
                    drop_source: bool = False) -> Optional["KeptTiles"]:
@@ -765,9 +770,16 @@ def _init() -> None:
             _reason = f"CPU kernels unavailable: {e}"
 
 
+def drop_source_enabled() -> bool:
+    """Whether the engine gives a kept weight's GGUF pages back once its copy is made (default; the copy holds
+    every byte, so the process holds each weight once). KVINFER_DROP_SOURCE=0 keeps the GGUF rows beside the
+    copy."""
+    return not _off("KVINFER_DROP_SOURCE")
+
+
 def keep_tiles_enabled() -> bool:
-    """Whether quantised weights are kept in tile layout at the avx512 level (default; KVINFER_AMX_KEEP=0 reads
-    the GGML rows instead: about 1 byte per weight less memory; the AMX tiles then unpack them per call)."""
+    """Whether quantised weights are kept in tile layout at the avx512 level (K-quants also at avx2) (default;
+    KVINFER_AMX_KEEP=0 reads the GGML rows instead, unpacking them per call)."""
     return not _off("KVINFER_AMX_KEEP")
 
 
@@ -813,7 +825,8 @@ def describe() -> str:
         return f"CPU kernels off ({unavailable_reason()}); CPU: {cpu}, {amx}"
     tiles = ""
     if _active.keeps_tiles and keep_tiles_enabled():
-        tiles = ", weights kept in tile layout"
+        tiles = (", weights kept in tile layout" if _active.level == "avx512"
+                 else ", K-quant weights kept in a byte layout")
     if _active.amx:
         tiles += f", AMX tiles from {_active.amx_min_rows} rows"
     if _active.prompt_route and keep_tiles_enabled():

@@ -171,7 +171,16 @@ struct kq_job {
     float *y;
     int64_t M, K, N, ldw, ldy;
     int qt;
+    const uint8_t *kept; /* avx2: the weight's kept copy, read by this route instead of the GGUF rows (or NULL) */
 };
+
+#if KVQ_LEVEL == 1
+/* The kept copy (below) as this route reads it: a super-block of 8 columns' quant bytes in GGUF order into
+ * scratch (bb bytes per column), and their scales as kq_scales8 gives them. */
+static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch);
+static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]);
+static int kc_sb_bytes(int qt);
+#endif
 
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
 static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j, int64_t n0, int64_t n1,
@@ -185,7 +194,18 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
         for (int64_t s = 0; s < nsb; s++) {
             float ds[16][KG], dm[8][KG];
-#if KVQ_LEVEL >= 1
+#if KVQ_LEVEL == 1
+            if (j->kept) {
+                const uint8_t *sb = j->kept + (n / KG * nsb + s) * kc_sb_bytes(qt);
+                uint8_t scratch[KG * 210];
+                kc_gguf8(sb, qt, scratch);
+                for (int u = 0; u < KG; u++) kq_unpack_q(scratch + u * bb, qt, q + u * QK_K);
+                kc_scales8(sb, qt, ds, dm);
+            } else {
+                for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
+                kq_scales8(rows, s * bb, qt, ds, dm);
+            }
+#elif KVQ_LEVEL >= 2
             for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
             kq_scales8(rows, s * bb, qt, ds, dm);
 #else
@@ -242,7 +262,12 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
 }
 
 #if KVQ_LEVEL >= 2
-#define KC 16 /* output columns per kept group (below) */
+#define KC 16 /* output columns per kept group (below): one 512-bit register of int32 */
+#elif KVQ_LEVEL == 1
+#define KC 8 /* one 256-bit register (= KG) */
+#define KC_ROUTE_ROWS 2 /* rows up to which the copy's own route runs (docs/BENCHMARKS.md) */
+#endif
+#if KVQ_LEVEL >= 1
 static void kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1);
 #endif
 
@@ -261,12 +286,20 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         return KVQ_ENOMEM;
     }
     kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
-    const struct kq_job j = {xq, dx, sx, bias, w, y, M, K, N, ldw, ldy, qt};
+    struct kq_job j = {xq, dx, sx, bias, w, y, M, K, N, ldw, ldy, qt, NULL};
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
-#if KVQ_LEVEL >= 2
+#if KVQ_LEVEL >= 1
     const uint8_t *kept = kvq_kept_lookup(w, N, K, ldw, qt);
+#if KVQ_LEVEL == 1
+    /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
+     * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
+    if (kept && M > KC_ROUTE_ROWS) {
+        j.kept = kept;
+        kept = NULL;
+    }
+#endif
     if (kept) {
         xu = (uint8_t *)malloc((size_t)(M * K * 2));
         if (!xu) {
@@ -283,7 +316,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     if (nt < 1) nt = 1;
     int rc = KVQ_OK;
     if (xu) {
-#if KVQ_LEVEL >= 2
+#if KVQ_LEVEL >= 1
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
             int tid = 0, nth = 1;
@@ -338,32 +371,43 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
     return KVQ_OK;
 }
 
-#if KVQ_LEVEL >= 2
-/* ---- kept copies (the avx512 level): the super-blocks of 16 output columns laid out once for VNNI ----
+#if KVQ_LEVEL >= 1
+/* ---- kept copies (the avx2 and avx512 levels): the super-blocks of KC output columns laid out once ----
  * kvq_amx_tiles_pack hands K-quant weights here, and kvq_kq_matmul reads the registered copy instead of the GGUF
- * rows. Per group of 16 columns, super-block after super-block (kc_sb_bytes each, a multiple of 64):
- *   Q4_K / Q5_K: the 128 quant bytes as 32 rows of 64 (row 8c + k: bytes 32c + 4k..32c + 4k + 3 of each column:
- *   low nibbles are sub-block 2c's quants 4k.., high nibbles sub-block 2c + 1's), Q5_K then its 32 high-bit
- *   bytes as 8 rows the same way (bit j: sub-block j), then sc[j][column], m[j][column] (one byte each), then the
- *   16 columns' d, dmin as fp16 bits.
+ * rows. Per group of KC columns (16 at the avx512 level, 8 at avx2), super-block after super-block (kc_sb_bytes
+ * each, a multiple of 64), in rows of R = 4 KC bytes (4 bytes of each column):
+ *   Q4_K / Q5_K: the 128 quant bytes as 32 rows (row 8c + k: bytes 32c + 4k..32c + 4k + 3 of each column: low
+ *   nibbles are sub-block 2c's quants 4k.., high nibbles sub-block 2c + 1's), Q5_K then its 32 high-bit bytes as
+ *   8 rows the same way (bit j: sub-block j), then sc[j][column], m[j][column] (one byte each), then the KC
+ *   columns' d, dmin as fp16 bits.
  *   Q6_K: ql as 32 rows (row 16h + 8p + k: ql[64h + 32p + 4k..]), qh as 16 rows (row 8h + k: qh[32h + 4k..]),
- *   sc[t][column] (int8), the 16 d as fp16 bits, 32 bytes of padding.
- * That is the GGUF bytes' size (plus 1.0-2.5%), so a one-row decode reads no more. A 32-value block's 8 rows of
- * quants (4 per column and row) meet the activations' two bytes (hi + 128, lo; kvq_split_bytes) in vpdpbusd, as
- * qmatmul.c's kept_rows does: with S the column's quant sum (Q6_K: of q - 32), D = 256 * (sum((hi + 128) q) -
- * 128 S) + sum(lo q), the exact int32 kq_cols computes, then its float operations in its order, one column per
- * lane: the same bits. */
-#define KC_MT 8 /* x rows per tile */
+ *   sc[t][column] (int8), the KC d as fp16 bits, padding.
+ * That is the GGUF bytes' size (plus 1-3%), so a one-row decode reads no more. A 32-value block's 8 rows of quants
+ * meet the activations' two bytes (hi + 128, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512
+ * level; vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants), as qmatmul.c's
+ * kept_rows does: with S the column's quant sum (Q6_K: of q - 32), D = 256 * (sum((hi + 128) q) - 128 S) +
+ * sum(lo q), the exact int32 kq_cols computes, then its float operations in its order, one column per lane: the
+ * same bits. */
+#define KC_R (4 * KC) /* bytes per row of the copy */
+#if KVQ_LEVEL >= 2
+#define KC_MT 16 /* x rows per tile */
+#else
+#define KC_MT 2 /* (it runs up to KC_ROUTE_ROWS rows) */
+#endif
 #define KC_AHEAD 4 /* super-blocks of the copy asked for ahead of the one multiplied */
 
+/* Where the scales start (Q4_K / Q5_K), and a super-block's bytes in the copy. */
+static int kc_so(int qt) { return qt == QT_Q5_K ? 40 * KC_R : 32 * KC_R; }
 static int kc_sb_bytes(int qt) {
     switch (qt) {
-    case QT_Q4_K: return 2368;
-    case QT_Q5_K: return 2880;
-    case QT_Q6_K: return 3392;
+    case QT_Q4_K:
+    case QT_Q5_K: return kc_so(qt) + 20 * KC;
+    case QT_Q6_K: return (210 * KC + 63) / 64 * 64;
     default: return 0;
     }
 }
+#define KC6_SC (48 * KC_R)          /* Q6_K: int8 scales */
+#define KC6_D (48 * KC_R + 16 * KC) /* Q6_K: d */
 
 int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt) {
     const int sbb = kc_sb_bytes(qt);
@@ -371,10 +415,10 @@ int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt) {
     return (N + KC - 1) / KC * (K / QK_K) * sbb;
 }
 
-/* Bytes 4k..4k + 3 (k < nrows) of each column's src + off, as rows of 64 at dst. */
+/* Bytes 4k..4k + 3 (k < nrows) of each column's src + off, as rows of R at dst. */
 static void kc_rows(const uint8_t *const *cols, int64_t off, int nrows, uint8_t *dst) {
     for (int k = 0; k < nrows; k++)
-        for (int u = 0; u < KC; u++) memcpy(dst + 64 * k + 4 * u, cols[u] + off + 4 * k, 4);
+        for (int u = 0; u < KC; u++) memcpy(dst + KC_R * k + 4 * u, cols[u] + off + 4 * k, 4);
 }
 
 int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
@@ -390,169 +434,30 @@ int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt
             for (int u = 0; u < KC; u++) b[u] = w + (gi * KC + u < N ? gi * KC + u : N - 1) * ldw + s * bb;
             memset(o, 0, (size_t)sbb);
             if (qt == QT_Q6_K) {
-                kc_rows(b, 0, 32, o);          /* ql[0..128): rows 16h + 8p + k are bytes 64h + 32p + 4k */
-                kc_rows(b, 128, 16, o + 2048); /* qh[0..64): rows 8h + k are bytes 32h + 4k */
+                kc_rows(b, 0, 32, o);             /* ql[0..128): rows 16h + 8p + k are bytes 64h + 32p + 4k */
+                kc_rows(b, 128, 16, o + 32 * KC_R); /* qh[0..64): rows 8h + k are bytes 32h + 4k */
                 for (int t = 0; t < 16; t++)
-                    for (int u = 0; u < KC; u++) o[3072 + 16 * t + u] = b[u][192 + t];
-                for (int u = 0; u < KC; u++) memcpy(o + 3328 + 2 * u, b[u] + 208, 2);
+                    for (int u = 0; u < KC; u++) o[KC6_SC + KC * t + u] = b[u][192 + t];
+                for (int u = 0; u < KC; u++) memcpy(o + KC6_D + 2 * u, b[u] + 208, 2);
                 continue;
             }
-            const int q5 = qt == QT_Q5_K, so = q5 ? 2560 : 2048;
+            const int q5 = qt == QT_Q5_K, so = kc_so(qt);
             kc_rows(b, q5 ? 48 : 16, 32, o);
-            if (q5) kc_rows(b, 16, 8, o + 2048);
+            if (q5) kc_rows(b, 16, 8, o + 32 * KC_R);
             for (int u = 0; u < KC; u++) {
                 for (int j = 0; j < 8; j++) {
                     int sc, m;
                     kq_scale_min(b[u] + 4, j, &sc, &m);
-                    o[so + 16 * j + u] = (uint8_t)sc, o[so + 128 + 16 * j + u] = (uint8_t)m;
+                    o[so + KC * j + u] = (uint8_t)sc, o[so + 8 * KC + KC * j + u] = (uint8_t)m;
                 }
-                memcpy(o + so + 256 + 2 * u, b[u], 2);
-                memcpy(o + so + 288 + 2 * u, b[u] + 2, 2);
+                memcpy(o + so + 16 * KC + 2 * u, b[u], 2);
+                memcpy(o + so + 18 * KC + 2 * u, b[u] + 2, 2);
             }
         }
     }
     return KVQ_OK;
 }
 
-/* sum over k in [k0, k0 + 4) of the activation bytes' products with W[k], hi and lo apart, as two short chains. */
-static inline __attribute__((always_inline)) __m512i kc_dot4(const uint8_t *xr, const __m512i *W, int k0,
-                                                             __m512i s15) {
-    int32_t a[4], e[4];
-    memcpy(a, xr + 4 * k0, 16), memcpy(e, xr + 32 + 4 * k0, 16);
-    __m512i h0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(a[0]), W[k0]);
-    __m512i h1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(a[1]), W[k0 + 1]);
-    __m512i l0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(e[0]), W[k0]);
-    __m512i l1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(e[1]), W[k0 + 1]);
-    h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(a[2]), W[k0 + 2]);
-    h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(a[3]), W[k0 + 3]);
-    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(e[2]), W[k0 + 2]);
-    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(e[3]), W[k0 + 3]);
-    const __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), s15);
-    return _mm512_add_epi32(hi, _mm512_add_epi32(l0, l1));
-}
-
-static inline __attribute__((always_inline)) __m512i kc_qsum(const __m512i *W, int k0, int n) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512i s = _mm512_setzero_si512();
-    for (int k = k0; k < k0 + n; k++) s = _mm512_dpbusd_epi32(s, ones, W[k]);
-    return _mm512_slli_epi32(s, 15);
-}
-
-/* MT rows (xu, dx, sx at the first) against one group's copy gp; y at the group's first column. */
-static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
-                                                          int64_t nb, int64_t nsb, const uint8_t *gp, float *y,
-                                                          int64_t ldy, int g, const int qt, const int MT) {
-    const int sbb = kc_sb_bytes(qt);
-    const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
-    __m512 acc[KC_MT];
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t *sb = gp + s * sbb;
-        for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
-        __m512i W[8];
-        if (qt == QT_Q6_K) {
-            const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + 3328)));
-            const __m512i o32 = _mm512_set1_epi8(32);
-            for (int b8 = 0; b8 < 8; b8++) {
-                const int h = b8 >> 2, t = b8 & 3, p = t & 1, sh = 4 * (t >> 1);
-#pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {
-                    const __m512i lo = _mm512_load_si512(sb + 64 * (16 * h + 8 * p + k));
-                    const __m512i hb = _mm512_load_si512(sb + 2048 + 64 * (8 * h + k));
-                    W[k] = _mm512_sub_epi8(
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, sh), m4),
-                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * t), m3), 4)),
-                        o32);
-                }
-                const __m512i s0 = kc_qsum(W, 0, 4), s1 = kc_qsum(W, 4, 4);
-                const __m512 ds0 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                         _mm_load_si128((const __m128i *)(sb + 3072 + 32 * b8)))));
-                const __m512 ds1 = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                         _mm_load_si128((const __m128i *)(sb + 3088 + 32 * b8)))));
-#pragma GCC unroll 8
-                for (int r = 0; r < MT; r++) {
-                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
-                    const __m512i D0 = kc_dot4(xr, W, 0, s0), D1 = kc_dot4(xr, W, 4, s1);
-                    const __m512 vdx = _mm512_set1_ps(dx[r * nb + s * 8 + b8]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D0), _mm512_mul_ps(ds0, vdx), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D1), _mm512_mul_ps(ds1, vdx), acc[r]);
-                }
-            }
-            continue;
-        }
-        const int so = qt == QT_Q5_K ? 2560 : 2048;
-        const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + so + 256)));
-        const __m512 vmin = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sb + so + 288)));
-        for (int j = 0; j < 8; j++) {
-            const int c = j >> 1, sh = 4 * (j & 1);
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-                W[k] = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(sb + 64 * (8 * c + k)), sh), m4);
-                if (qt == QT_Q5_K) {
-                    const __m512i hb = _mm512_load_si512(sb + 2048 + 64 * k);
-                    W[k] = _mm512_or_si512(W[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, j), one), 4));
-                }
-            }
-            const __m512i s15 = kc_qsum(W, 0, 8);
-            const __m512 vds = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                     _mm_load_si128((const __m128i *)(sb + so + 16 * j)))));
-            const __m512 vdm = _mm512_mul_ps(vmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                       _mm_load_si128((const __m128i *)(sb + so + 128 + 16 * j)))));
-#pragma GCC unroll 8
-            for (int r = 0; r < MT; r++) {
-                const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
-                /* the block's 8 rows of quants as two 4-row dot products, hi corrections split between them */
-                const __m512i D = _mm512_add_epi32(kc_dot4(xr, W, 0, _mm512_setzero_si512()),
-                                                   kc_dot4(xr, W, 4, s15));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vds, _mm512_set1_ps(dx[r * nb + s * 8 + j])),
-                                         acc[r]);
-                acc[r] = _mm512_fnmadd_ps(vdm, _mm512_set1_ps(sx[r * nb + s * 8 + j]), acc[r]);
-            }
-        }
-    }
-    const __mmask16 keep = g == KC ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1);
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
-}
-
-typedef void (*kc_fn)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
-                      int64_t, int);
-#define KC_TILE(MT)                                                                                             \
-    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, int64_t nb, int64_t nsb,       \
-                            const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {                          \
-        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
-        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
-        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                                          \
-    }
-KC_TILE(1)
-KC_TILE(2)
-KC_TILE(3)
-KC_TILE(4)
-KC_TILE(5)
-KC_TILE(6)
-KC_TILE(7)
-KC_TILE(8)
-typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
-                       int64_t, int, int);
-static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4,
-                                           kc_tile5, kc_tile6, kc_tile7, kc_tile8};
-
-/* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy; then the bias, one add. */
-static void kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
-    const int64_t nsb = j->K / QK_K, nb = j->K / 32, gb = nsb * kc_sb_bytes(j->qt);
-    for (int64_t n = n0; n < n1; n += KC) {
-        const int g = n1 - n < KC ? (int)(n1 - n) : KC;
-        for (int64_t r = 0; r < j->M; r += KC_MT) {
-            const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
-            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, nb, nsb, kept + n / KC * gb,
-                        j->y + r * j->ldy + n, j->ldy, g, j->qt);
-        }
-        if (j->bias)
-            for (int64_t r = 0; r < j->M; r++)
-                for (int u = 0; u < g; u++) j->y[r * j->ldy + n + u] = j->y[r * j->ldy + n + u] + j->bias[n + u];
-    }
-}
 /* Rows ids[0..n) of the weight, in GGUF bytes, from its kept copy (out: n rows ldo bytes apart): the layout above
  * read back. Q4_K / Q5_K's scales[12] are packed again from sc_j, m_j; all 96 bits carry them, so the bytes are the
  * file's. */
@@ -568,19 +473,19 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
             const uint8_t *sb = kept + ids[i] / KC * gb + s * sbb;
             uint8_t *o = out + i * ldo + s * bb;
             if (qt == QT_Q6_K) {
-                for (int r = 0; r < 48; r++) memcpy(o + 4 * r, sb + 64 * r + 4 * u, 4); /* ql, then qh */
-                for (int t = 0; t < 16; t++) o[192 + t] = sb[3072 + 16 * t + u];
-                memcpy(o + 208, sb + 3328 + 2 * u, 2);
+                for (int r = 0; r < 48; r++) memcpy(o + 4 * r, sb + KC_R * r + 4 * u, 4); /* ql, then qh */
+                for (int t = 0; t < 16; t++) o[192 + t] = sb[KC6_SC + KC * t + u];
+                memcpy(o + 208, sb + KC6_D + 2 * u, 2);
                 continue;
             }
-            const int q5 = qt == QT_Q5_K, so = q5 ? 2560 : 2048;
-            for (int r = 0; r < 32; r++) memcpy(o + (q5 ? 48 : 16) + 4 * r, sb + 64 * r + 4 * u, 4);
+            const int q5 = qt == QT_Q5_K, so = kc_so(qt);
+            for (int r = 0; r < 32; r++) memcpy(o + (q5 ? 48 : 16) + 4 * r, sb + KC_R * r + 4 * u, 4);
             if (q5)
-                for (int r = 0; r < 8; r++) memcpy(o + 16 + 4 * r, sb + 2048 + 64 * r + 4 * u, 4);
-            memcpy(o, sb + so + 256 + 2 * u, 2);
-            memcpy(o + 2, sb + so + 288 + 2 * u, 2);
+                for (int r = 0; r < 8; r++) memcpy(o + 16 + 4 * r, sb + 32 * KC_R + KC_R * r + 4 * u, 4);
+            memcpy(o, sb + so + 16 * KC + 2 * u, 2);
+            memcpy(o + 2, sb + so + 18 * KC + 2 * u, 2);
             uint8_t sc[8], m[8];
-            for (int j = 0; j < 8; j++) sc[j] = sb[so + 16 * j + u], m[j] = sb[so + 128 + 16 * j + u];
+            for (int j = 0; j < 8; j++) sc[j] = sb[so + KC * j + u], m[j] = sb[so + 8 * KC + KC * j + u];
             for (int j = 0; j < 4; j++) {
                 o[4 + j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
                 o[8 + j] = (uint8_t)((m[j] & 63) | ((m[j + 4] >> 4) << 6));
@@ -589,6 +494,262 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
         }
     }
     return KVQ_OK;
+}
+
+#if KVQ_LEVEL == 1
+/* 8 rows of 32 bytes at rows (dword u of row k: column u's bytes 4k..4k + 3) to each column's 32 bytes in order,
+ * at dst + u * ld: an 8 x 8 transpose of dwords. */
+static void kc_tr8_rows(const uint8_t *rows, uint8_t *dst, int ld) {
+    __m256 c[8];
+    float out[8][KG];
+    for (int k = 0; k < 8; k++) c[k] = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(rows + 32 * k)));
+    tr8(c, out);
+    for (int u = 0; u < 8; u++) memcpy(dst + u * ld, out[u], 32);
+}
+
+static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch) {
+    const int bb = kq_block_bytes(qt);
+    if (qt == QT_Q6_K) {
+        for (int hp = 0; hp < 4; hp++) kc_tr8_rows(sb + KC_R * 8 * hp, scratch + 32 * hp, bb);  /* ql */
+        for (int h = 0; h < 2; h++) kc_tr8_rows(sb + 32 * KC_R + KC_R * 8 * h, scratch + 128 + 32 * h, bb);
+        return;
+    }
+    const int q5 = qt == QT_Q5_K;
+    for (int c = 0; c < 4; c++) kc_tr8_rows(sb + KC_R * 8 * c, scratch + (q5 ? 48 : 16) + 32 * c, bb);
+    if (q5) kc_tr8_rows(sb + 32 * KC_R, scratch + 16, bb);
+}
+
+static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]) {
+    if (qt == QT_Q6_K) {
+        const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + KC6_D)));
+        for (int t = 0; t < 16; t++)
+            _mm256_storeu_ps(ds[t], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(sb + KC6_SC + KC * t))))));
+        return;
+    }
+    const int so = kc_so(qt);
+    const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + so + 16 * KC)));
+    const __m256 vm = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + so + 18 * KC)));
+    for (int t = 0; t < 8; t++) {
+        _mm256_storeu_ps(ds[t], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                      _mm_loadl_epi64((const __m128i *)(sb + so + KC * t))))));
+        _mm256_storeu_ps(dm[t], _mm256_mul_ps(vm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                      _mm_loadl_epi64((const __m128i *)(sb + so + 8 * KC + KC * t))))));
+    }
+}
+#endif
+
+#if KVQ_LEVEL >= 2
+typedef __m512i kc_vi;
+typedef __m512 kc_vf;
+#define kc_loadi(p) _mm512_load_si512((const void *)(p))
+#define kc_and _mm512_and_si512
+#define kc_or _mm512_or_si512
+#define kc_srli16 _mm512_srli_epi16
+#define kc_slli16 _mm512_slli_epi16
+#define kc_sub8 _mm512_sub_epi8
+#define kc_set1_8 _mm512_set1_epi8
+#define kc_set1f _mm512_set1_ps
+#define kc_addi _mm512_add_epi32
+#define kc_subi _mm512_sub_epi32
+#define kc_slli32 _mm512_slli_epi32
+#define kc_cvt _mm512_cvtepi32_ps
+#define kc_mul _mm512_mul_ps
+#define kc_fma _mm512_fmadd_ps
+#define kc_fnma _mm512_fnmadd_ps
+#define kc_zerof _mm512_setzero_ps
+/* KC fp16 bits as floats; KC unsigned / signed bytes as floats */
+#define kc_half(p) _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(p)))
+#define kc_u8f(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p))))
+#define kc_i8f(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(p))))
+
+/* sum over k in [k0, k0 + n) of the 4 bytes at xb + 4k times W[k], per column (vpdpbusd, two chains). */
+static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
+    int32_t a[8];
+    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
+    __m512i c0 = _mm512_setzero_si512(), c1 = c0;
+    for (int k = 0; k < n; k += 2) {
+        c0 = _mm512_dpbusd_epi32(c0, _mm512_set1_epi32(a[k]), W[k0 + k]);
+        c1 = _mm512_dpbusd_epi32(c1, _mm512_set1_epi32(a[k + 1]), W[k0 + k + 1]);
+    }
+    return _mm512_add_epi32(c0, c1);
+}
+
+static inline void kc_store(float *y, kc_vf v, int g) {
+    _mm512_mask_storeu_ps(y, g == KC ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1), v);
+}
+#else
+typedef __m256i kc_vi;
+typedef __m256 kc_vf;
+#define kc_loadi(p) _mm256_load_si256((const __m256i *)(p))
+#define kc_and _mm256_and_si256
+#define kc_or _mm256_or_si256
+#define kc_srli16 _mm256_srli_epi16
+#define kc_slli16 _mm256_slli_epi16
+#define kc_sub8 _mm256_sub_epi8
+#define kc_set1_8 _mm256_set1_epi8
+#define kc_set1f _mm256_set1_ps
+#define kc_addi _mm256_add_epi32
+#define kc_subi _mm256_sub_epi32
+#define kc_slli32 _mm256_slli_epi32
+#define kc_cvt _mm256_cvtepi32_ps
+#define kc_mul _mm256_mul_ps
+#define kc_fma _mm256_fmadd_ps
+#define kc_fnma _mm256_fnmadd_ps
+#define kc_zerof _mm256_setzero_ps
+#define kc_half(p) _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(p)))
+#define kc_u8f(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define kc_i8f(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+/* kc_dot without VNNI: vpmaddubsw gives the int16 sums of two products (|sum| <= 2 * 255 * 32 here), two of
+ * them add without overflow, and vpmaddwd with ones widens to the column's int32. */
+static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
+    int32_t a[8];
+    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < n; k += 2) {
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a[k]), W[k0 + k]),
+                                           _mm256_maddubs_epi16(_mm256_set1_epi32(a[k + 1]), W[k0 + k + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones16));
+    }
+    return acc;
+}
+
+static inline void kc_store(float *y, kc_vf v, int g) {
+    if (g == KC) {
+        _mm256_storeu_ps(y, v);
+    } else {
+        float t[KC];
+        _mm256_storeu_ps(t, v);
+        for (int u = 0; u < g; u++) y[u] = t[u];
+    }
+}
+#endif
+
+static const uint8_t kc_ones[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* D of one block of 32 (or of rows k0..k0 + n of it): hi bytes at xr, lo bytes at xr + 32; s15 = S << 15. */
+static inline __attribute__((always_inline)) kc_vi kc_block(const uint8_t *xr, const kc_vi *W, int k0, int n,
+                                                           kc_vi s15) {
+    return kc_addi(kc_subi(kc_slli32(kc_dot(xr, W, k0, n), 8), s15), kc_dot(xr + 32, W, k0, n));
+}
+
+/* MT rows (xu, dx, sx at the first) against one group's copy gp; y at the group's first column. */
+static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
+                                                          int64_t nb, int64_t nsb, const uint8_t *gp, float *y,
+                                                          int64_t ldy, int g, const int qt, const int MT) {
+    const int sbb = kc_sb_bytes(qt);
+    const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), one = kc_set1_8(1);
+    kc_vf acc[KC_MT];
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; r++) acc[r] = kc_zerof();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *sb = gp + s * sbb;
+        for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
+        kc_vi W[8];
+        if (qt == QT_Q6_K) {
+            const kc_vf vd = kc_half(sb + KC6_D);
+            const kc_vi o32 = kc_set1_8(32);
+            for (int b8 = 0; b8 < 8; b8++) {
+                const int h = b8 >> 2, t = b8 & 3, p = t & 1, sh = 4 * (t >> 1);
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const kc_vi lo = kc_loadi(sb + KC_R * (16 * h + 8 * p + k));
+                    const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * (8 * h + k));
+                    W[k] = kc_sub8(kc_or(kc_and(kc_srli16(lo, sh), m4), kc_slli16(kc_and(kc_srli16(hb, 2 * t), m3), 4)),
+                                   o32);
+                }
+                const kc_vi s0 = kc_slli32(kc_dot(kc_ones, W, 0, 4), 15), s1 = kc_slli32(kc_dot(kc_ones, W, 4, 4), 15);
+                const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + KC6_SC + KC * (2 * b8)));
+                const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + KC6_SC + KC * (2 * b8 + 1)));
+#pragma GCC unroll 8
+                for (int r = 0; r < MT; r++) {
+                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
+                    const kc_vi D0 = kc_block(xr, W, 0, 4, s0), D1 = kc_block(xr, W, 4, 4, s1);
+                    const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
+                    acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
+                    acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
+                }
+            }
+            continue;
+        }
+        const int so = kc_so(qt);
+        const kc_vf vd = kc_half(sb + so + 16 * KC), vmin = kc_half(sb + so + 18 * KC);
+        for (int j = 0; j < 8; j++) {
+            const int c = j >> 1, sh = 4 * (j & 1);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                W[k] = kc_and(kc_srli16(kc_loadi(sb + KC_R * (8 * c + k)), sh), m4);
+                if (qt == QT_Q5_K) {
+                    const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * k);
+                    W[k] = kc_or(W[k], kc_slli16(kc_and(kc_srli16(hb, j), one), 4));
+                }
+            }
+            const kc_vi s15 = kc_slli32(kc_dot(kc_ones, W, 0, 8), 15);
+            const kc_vf vds = kc_mul(vd, kc_u8f(sb + so + KC * j));
+            const kc_vf vdm = kc_mul(vmin, kc_u8f(sb + so + 8 * KC + KC * j));
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
+                const kc_vi D = kc_block(xr, W, 0, 8, s15);
+                acc[r] = kc_fma(kc_cvt(D), kc_mul(vds, kc_set1f(dx[r * nb + s * 8 + j])), acc[r]);
+                acc[r] = kc_fnma(vdm, kc_set1f(sx[r * nb + s * 8 + j]), acc[r]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; r++) kc_store(y + r * ldy, acc[r], g);
+}
+
+typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
+                       int64_t, int, int);
+#define KC_TILE(MT)                                                                                             \
+    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, int64_t nb, int64_t nsb,       \
+                            const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {                          \
+        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
+        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
+        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                                          \
+    }
+KC_TILE(1)
+KC_TILE(2)
+#if KVQ_LEVEL >= 2
+KC_TILE(3)
+KC_TILE(4)
+KC_TILE(5)
+KC_TILE(6)
+KC_TILE(7)
+KC_TILE(8)
+KC_TILE(9)
+KC_TILE(10)
+KC_TILE(11)
+KC_TILE(12)
+KC_TILE(13)
+KC_TILE(14)
+KC_TILE(15)
+KC_TILE(16)
+static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4, kc_tile5, kc_tile6,
+                                           kc_tile7, kc_tile8, kc_tile9, kc_tile10, kc_tile11, kc_tile12,
+                                           kc_tile13, kc_tile14, kc_tile15, kc_tile16};
+#else
+static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2};
+#endif
+
+/* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy; then the bias, one add. */
+static void kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
+    const int64_t nsb = j->K / QK_K, nb = j->K / 32, gb = nsb * kc_sb_bytes(j->qt);
+    for (int64_t n = n0; n < n1; n += KC) {
+        const int g = n1 - n < KC ? (int)(n1 - n) : KC;
+        for (int64_t r = 0; r < j->M; r += KC_MT) {
+            const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
+            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, nb, nsb, kept + n / KC * gb,
+                        j->y + r * j->ldy + n, j->ldy, g, j->qt);
+        }
+        if (j->bias)
+            for (int64_t r = 0; r < j->M; r++)
+                for (int u = 0; u < g; u++) j->y[r * j->ldy + n + u] = j->y[r * j->ldy + n + u] + j->bias[n + u];
+    }
 }
 #else
 int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,

@@ -28,6 +28,7 @@
 #include "kernels.h"
 #include "simd.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -479,6 +480,63 @@ struct job {
     const uint8_t *xu, *kept; /* kept_rows' activation bytes and the weight's kept copy, or NULL */
 };
 
+/* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + 128, then 32 bytes lo. */
+void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
+    for (int64_t i = 0; i < M * K; i += QK)
+        for (int e = 0; e < QK; e++) {
+            xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + 128);
+            xu[2 * i + QK + e] = (uint8_t)(xq[i + e] & 0xff);
+        }
+}
+
+/* ---- kept copies: the registry (every level) ---- */
+#define AMX_KEPT_MAX 4096
+static struct amx_kept {
+    const uint8_t *w, *tiles;
+    int64_t N, K, ldw;
+    int qt;
+} amx_kept[AMX_KEPT_MAX];
+static int amx_nkept;
+static pthread_mutex_t amx_kept_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* tiles != NULL: matmuls of w (N x K, ldw, qt) read their tiles from it (kvq_amx_tiles_pack's output, kept alive
+ * by the caller until it registers NULL for w). Every level keeps the registry; which types have a kept layout
+ * depends on the level (kvq_amx_tiles_bytes). */
+int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
+    int rc = KVQ_OK;
+    pthread_mutex_lock(&amx_kept_lock);
+    int i = 0;
+    while (i < amx_nkept && amx_kept[i].w != w) i++;
+    if (!tiles) {
+        if (i < amx_nkept) {
+            amx_kept[i] = amx_kept[amx_nkept - 1];
+            __atomic_store_n(&amx_nkept, amx_nkept - 1, __ATOMIC_RELAXED);
+        }
+    } else if (i == AMX_KEPT_MAX) {
+        rc = KVQ_ENOMEM;
+    } else {
+        amx_kept[i] = (struct amx_kept){w, tiles, N, K, ldw, qt};
+        if (i == amx_nkept) __atomic_store_n(&amx_nkept, amx_nkept + 1, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&amx_kept_lock);
+    return rc;
+}
+
+const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
+    if (__atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) == 0) return NULL;
+    const uint8_t *t = NULL;
+    pthread_mutex_lock(&amx_kept_lock);
+    for (int i = 0; i < amx_nkept; i++)
+        if (amx_kept[i].w == w) {
+            const struct amx_kept *e = &amx_kept[i];
+            if (e->N == N && e->K == K && e->ldw == ldw && e->qt == qt) t = e->tiles;
+            break;
+        }
+    pthread_mutex_unlock(&amx_kept_lock);
+    return t;
+}
+
+
 /* ---- AMX tiles (the avx512 level, when the OS grants the tile state): the same D_b, 16 rows x 32 columns ----
  * A tile multiply takes int8 operands, so each int16 activation is split exactly, x = 256 * hi + lo (hi signed,
  * lo unsigned): D_b = 256 * (hi . q) + (lo . q), two tile products per block, both exact in int32 and so is
@@ -672,51 +730,6 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
         free(bt), free(d), free(m);
     }
     return rc;
-}
-
-#define AMX_KEPT_MAX 4096
-static struct amx_kept {
-    const uint8_t *w, *tiles;
-    int64_t N, K, ldw;
-    int qt;
-} amx_kept[AMX_KEPT_MAX];
-static int amx_nkept;
-static pthread_mutex_t amx_kept_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* tiles != NULL: matmuls of w (N x K, ldw, qt) read their tiles from it (kvq_amx_tiles_pack's output, kept alive
- * by the caller until it registers NULL for w). */
-int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
-    int rc = KVQ_OK;
-    pthread_mutex_lock(&amx_kept_lock);
-    int i = 0;
-    while (i < amx_nkept && amx_kept[i].w != w) i++;
-    if (!tiles) {
-        if (i < amx_nkept) {
-            amx_kept[i] = amx_kept[amx_nkept - 1];
-            __atomic_store_n(&amx_nkept, amx_nkept - 1, __ATOMIC_RELAXED);
-        }
-    } else if (i == AMX_KEPT_MAX) {
-        rc = KVQ_ENOMEM;
-    } else {
-        amx_kept[i] = (struct amx_kept){w, tiles, N, K, ldw, qt};
-        if (i == amx_nkept) __atomic_store_n(&amx_nkept, amx_nkept + 1, __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&amx_kept_lock);
-    return rc;
-}
-
-const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
-    if (__atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) == 0) return NULL;
-    const uint8_t *t = NULL;
-    pthread_mutex_lock(&amx_kept_lock);
-    for (int i = 0; i < amx_nkept; i++)
-        if (amx_kept[i].w == w) {
-            const struct amx_kept *e = &amx_kept[i];
-            if (e->N == N && e->K == K && e->ldw == ldw && e->qt == qt) t = e->tiles;
-            break;
-        }
-    pthread_mutex_unlock(&amx_kept_lock);
-    return t;
 }
 
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
@@ -1256,14 +1269,6 @@ static const kept_fn kepts[MT_MAX + 1] = {NULL, kept_rows1, kept_rows2, kept_row
                                           kept_rows11, kept_rows12, kept_rows13, kept_rows14, kept_rows15,
                                           kept_rows16};
 
-/* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + 128, then 32 bytes lo. */
-void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
-    for (int64_t i = 0; i < M * K; i += QK)
-        for (int e = 0; e < QK; e++) {
-            xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + 128);
-            xu[2 * i + QK + e] = (uint8_t)(xq[i + e] & 0xff);
-        }
-}
 #else
 int kvq_amx_enable(int on) { /* no tiles at this level */
     (void)on;
@@ -1272,30 +1277,18 @@ int kvq_amx_enable(int on) { /* no tiles at this level */
 
 int kvq_amx_min_rows(void) { return 0; }
 
+/* Below the avx512 level only the K-quants have a kept layout (kquants.c; none at the generic level). */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
-    (void)N, (void)K, (void)qt;
-    return 0;
+    return kq_is_kquant(qt) ? kvq_kq_kept_bytes(N, K, qt) : 0;
 }
 
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
-    (void)w, (void)N, (void)K, (void)ldw, (void)qt, (void)dst, (void)nthreads;
-    return KVQ_EBADTYPE;
-}
-
-int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
-    (void)w, (void)N, (void)K, (void)ldw, (void)qt;
-    return tiles ? KVQ_EBADTYPE : KVQ_OK;
-}
-
-const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
-    (void)w, (void)N, (void)K, (void)ldw, (void)qt;
-    return NULL;
+    return kq_is_kquant(qt) ? kvq_kq_kept_pack(w, N, K, ldw, qt, dst, nthreads) : KVQ_EBADTYPE;
 }
 
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                   int64_t ldo) {
-    (void)kept, (void)N, (void)K, (void)qt, (void)ids, (void)n, (void)out, (void)ldo;
-    return KVQ_EBADTYPE;
+    return kq_is_kquant(qt) ? kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo) : KVQ_EBADTYPE;
 }
 
 int kvq_amx_bf16_enable(int on) { /* no tiles at this level */
