@@ -78,9 +78,15 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def weight_bytes(self) -> int:
-        """Bytes held for weights: parameters, quantised blocks, and any copies kept for prefill (float) or for
-        AMX tiles."""
+        """Bytes held for weights: parameters, quantised blocks (but not those whose pages were given back to their
+        kept copy), and any copies kept for prefill (float) or for the kernels' layouts."""
         seen, total = set(), 0
+        # A kept weight whose GGUF pages were given back holds no memory of its own (its copy is counted).
+        for m in self.modules():
+            kept = getattr(m, "_tiles", None)
+            if kept is not None and kept.tiles is not None and kept.dropped:
+                w = kept.weight
+                seen.add((w.untyped_storage().data_ptr(), w.storage_offset(), w.numel()))
         tensors = list(self.parameters()) + list(self.buffers())
         tensors += [m._weight for m in self.modules() if getattr(m, "_weight", None) is not None]
         tensors += [m._tiles.tiles for m in self.modules()
