@@ -70,6 +70,9 @@ def register(sub) -> None:
                    help="measure kvinfer and every peer this many times, taking turns, and report the medians "
                         "with every round's ratios (default 1; on a shared machine, whose runs vary by 10-20%%, "
                         "use 3-5)")
+    d.add_argument("--no-roofline", action="store_true",
+                   help="skip the memory roofline line (for a GGUF file: weight bytes read per token against the "
+                        "read bandwidth measured here, and each engine's decode as a share of that bound)")
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_engine_args(d)
     d.set_defaults(func=cmd_decode)
@@ -311,10 +314,18 @@ def cmd_decode(args) -> int:
         r["prefill_tps"] = args.prompt_tokens / r["ttft"]  # TTFT = prefill of the prompt + the first token
         r["kvinfer_vs_this"] = ref / r["decode_tps"]
         r["kvinfer_prefill_vs_this"] = rows[0]["prefill_tps"] / r["prefill_tps"]
+    roofline = None
+    if not args.no_roofline and path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+        from kvinfer.bench.roofline import read_bandwidth, weight_bytes_per_token
+
+        roofline = dict(bytes_per_token=weight_bytes_per_token(path), read_bandwidth=read_bandwidth(_threads()))
+        roofline["bound_tps"] = roofline["read_bandwidth"] / roofline["bytes_per_token"]
+        for r in rows:
+            r["roofline_share"] = r["decode_tps"] / roofline["bound_tps"]
     if args.json:
         print(json.dumps(dict(model=_model_label(engine), machine=machine(), threads=_threads(),
                               prompt_tokens=args.prompt_tokens,
-                              new_tokens=args.tokens, rows=rows), indent=2))
+                              new_tokens=args.tokens, rows=rows, roofline=roofline), indent=2))
         return 0
     print(f"kvinfer bench decode: {_model_label(engine)}, {_threads()} threads, prompt {args.prompt_tokens} tokens, "
           f"{args.tokens} new tokens, greedy, single stream")
@@ -335,6 +346,10 @@ def cmd_decode(args) -> int:
             print(f"{r['name']}: {r['command']} (TTFT = prompt / its pp rate)")
         if r["name"] == "kvinfer*":
             print(f"kvinfer*: {NO_INVARIANCE} (BLAS and SDPA for prefill-sized steps; not batch-invariant)")
+    if roofline is not None:
+        from kvinfer.bench.roofline import roofline_line
+
+        print(roofline_line(roofline["bytes_per_token"], roofline["read_bandwidth"], _threads(), rows))
     _print_tp(rows[0]["tp_comm"])
     return 0
 
