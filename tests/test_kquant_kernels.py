@@ -10,8 +10,9 @@ import torch
 import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantLinear
 
-KTYPES = ("Q4_K", "Q5_K", "Q6_K")
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types with a kept copy
+SBTYPES = KTYPES + ("IQ4_XS",)  # every 256-weight super-block type kquants.c reads
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
 # Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/test_matmul_kernel.py).
@@ -30,6 +31,8 @@ def make_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     d = rng.uniform(0.002, 0.02, (n, nsb)).astype(np.float16)
     if qtype == "Q6_K":
         raw[:, :, 208:210] = d.view(np.uint8).reshape(n, nsb, 2)
+    elif qtype == "IQ4_XS":  # d, then random 6-bit scales and indexes
+        raw[:, :, 0:2] = (d / 8).astype(np.float16).view(np.uint8).reshape(n, nsb, 2)
     else:
         dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
         raw[:, :, 0:2] = d.view(np.uint8).reshape(n, nsb, 2)
@@ -49,7 +52,7 @@ def reference_i16(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int) 
     inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
     xr = (torch.round((xb.float() * inv).double()) * (amax / 32767.0).double()).reshape(x.shape)
     y = xr @ deq(raw, qtype, n, k).double().T
-    if qtype != "Q6_K":
+    if qtype not in ("Q6_K", "IQ4_XS"):
         zero = raw.reshape(n, k // 256, BLOCK_BYTES[qtype]).copy()
         zero[:, :, 16:] = 0  # qh (Q5_K) and qs
         y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
@@ -64,7 +67,7 @@ def _levels_here():
     return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
 
 
-@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("qtype", SBTYPES)
 @pytest.mark.parametrize("n, k, m", [(1, 256, 1), (37, 512, 5), (64, 1024, 3)])
 def test_matches_the_gguf_dequantization(qtype, n, k, m):
     raw = make_raw(qtype, n, k, seed=n + k)
@@ -76,7 +79,7 @@ def test_matches_the_gguf_dequantization(qtype, n, k, m):
     assert torch.equal(kernels.matmul(x, torch.from_numpy(raw), qtype, bias=bias), y + bias)
 
 
-@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("qtype", SBTYPES)
 def test_every_level_batch_and_thread_count_gives_a_row_the_same_bits(qtype):
     n, k = 45, 768  # a tail group of 5 columns; 3 super-blocks
     raw = torch.from_numpy(make_raw(qtype, n, k, seed=3))
@@ -91,7 +94,7 @@ def test_every_level_batch_and_thread_count_gives_a_row_the_same_bits(qtype):
                 assert torch.equal(lib.matmul(x[:m], raw, qtype, num_threads=nt), alone[:m]), (lib.level, m, nt)
 
 
-@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("qtype", SBTYPES)
 def test_embedding_rows_are_the_gguf_floats(qtype):
     n, k = 11, 512
     raw = make_raw(qtype, n, k, seed=5)
@@ -279,3 +282,28 @@ def test_a_kept_copy_unregisters_when_it_is_collected(qtype):
     del kept
     gc.collect()
     assert lib.lib.kvq_kept_lookup(raw.data_ptr(), n, k, ld, code) is None
+
+
+def test_iq4_xs_is_kept_quantized_and_reads_its_scales_and_table():
+    # one super-block whose sub-block j has ls_j = 32 + j + 1 and every index = j: w = d (j + 1) T[j]
+    blk = np.zeros(136, dtype=np.uint8)
+    blk[0:2] = _f16(0.5)
+    ls = [33 + j for j in range(8)]
+    h = sum(((v >> 4) & 3) << (2 * j) for j, v in enumerate(ls))
+    blk[2:4] = np.frombuffer(np.uint16(h).tobytes(), np.uint8)
+    for j in range(4):
+        blk[4 + j] = (ls[2 * j] & 15) | ((ls[2 * j + 1] & 15) << 4)
+    for j in range(8):
+        blk[8 + 16 * j:24 + 16 * j] = j | (j << 4)
+    table = [-127, -104, -83, -65, -49, -35, -22, -10]
+    want = torch.tensor([0.5 * (j + 1) * table[j] for j in range(8) for _ in range(32)])
+    raw = torch.from_numpy(blk.reshape(1, 136))
+    assert torch.equal(deq(blk.reshape(1, 136), "IQ4_XS", 1, 256)[0], want)
+    for lv in _levels_here():
+        lib = kernels.library(lv)
+        assert torch.equal(lib.embed_rows(raw, "IQ4_XS", torch.tensor([0]), 256)[0], want), lv
+        x = torch.zeros(1, 256)
+        x[0, 40] = 1.0  # sub-block 1: 2 * 0.5 * T[1]
+        assert lib.matmul(x, raw, "IQ4_XS").item() == pytest.approx(-104.0, rel=1e-6), lv
+    lin = QuantLinear(raw.clone(), "IQ4_XS", (1, 256))
+    assert lin.raw.dtype == torch.uint8 and lin.uses_kernel()

@@ -5,22 +5,36 @@
  *   Q4_K (144 B): d dmin scales[12] qs[128]         8 sub-blocks of 32: w = (d * sc_j) * q - dmin * m_j, q 0..15
  *   Q5_K (176 B): d dmin scales[12] qh[32] qs[128]  the same with a fifth bit from qh: q 0..31
  *   Q6_K (210 B): ql[128] qh[64] scales[16] d       16 sub-blocks of 16: w = (d * sc_j) * (q - 32), sc_j int8
+ *   IQ4_XS (136 B): d scales_h(u16) scales_l[4] qs[128]  8 sub-blocks of 32: w = (d * (ls_j - 32)) * T[q], q 0..15
+ *                   an index into T (KQ_IQ4NL, int8), ls_j 6 bits: nibble j of scales_l, bits 2j..2j+1 of scales_h
+ *                   on top; sub-block j's quants are qs[16j..16j+16): low nibbles its first 16, high its last
  * Q4_K / Q5_K's 6-bit sc_j, m_j are packed in scales[12] (kq_scale_min). d * sc_j and dmin * m_j are exact in
- * float (an 11-bit fp16 significand times a 6- or 8-bit integer). */
+ * float (an 11-bit fp16 significand times a 6- or 8-bit integer), and so is IQ4_XS's d * (ls_j - 32). */
 #ifndef KVINFER_GGML_BLOCKS_H
 #define KVINFER_GGML_BLOCKS_H
 #include <stdint.h>
 
 #define QK_K 256
-enum { QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+enum { QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
-static inline int kq_is_kquant(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+/* The types of 256-weight super-blocks kquants.c reads (IQ4_XS is not a K-quant by name, but is one in shape). */
+static inline int kq_is_kquant(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K || qt == QT_IQ4_XS; }
+
+/* IQ4_NL / IQ4_XS's 16 non-linear values (ggml's kvalues_iq4nl). */
+static const int8_t KQ_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_XS sub-block j's (0..7) 6-bit scale ls_j. */
+static inline int kq_iq4xs_ls(const uint8_t *blk, int j) {
+    const int h = blk[2] | (blk[3] << 8);
+    return ((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4);
+}
 
 static inline int kq_block_bytes(int qt) {
     switch (qt) {
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;
     case QT_Q6_K: return 210;
+    case QT_IQ4_XS: return 136;
     default: return 0;
     }
 }

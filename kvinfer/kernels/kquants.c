@@ -1,5 +1,5 @@
-/* Matmul and embedding rows over GGML K-quant super-blocks (Q4_K, Q5_K, Q6_K; layouts in ggml_blocks.h), read as
- * stored. kvq_matmul / kvq_embed_rows (qmatmul.c) hand these types here.
+/* Matmul and embedding rows over GGML K-quant super-blocks (Q4_K, Q5_K, Q6_K, and IQ4_XS, which has their shape;
+ * layouts in ggml_blocks.h), read as stored. kvq_matmul / kvq_embed_rows (qmatmul.c) hand these types here.
  *
  * The activations are rounded as for the 32-weight types (qmatmul.c's quantize_rows: int16 per block of 32, scale
  * dx, exact float sum sx), so a sub-block's dot product with its quants is an exact int32 D_j. The arithmetic of
@@ -8,6 +8,7 @@
  *   acc = 0; for each super-block, for each sub-block j in order (b: the 32-activation block it lies in):
  *     acc = fma(float(D_j), (d * sc_j) * dx_b, acc)
  *     acc = acc - (dmin * m_j) * sx_b, one rounding (fnma)    Q4_K / Q5_K only
+ * (IQ4_XS: d * sc_j is d * (ls_j - 32), its quants the table's int8 values.)
  *   y = acc (+ bias[n], one add).
  * A super-block of 8 output columns is unpacked once to int16 quants and exact float scales, then every row of
  * the call reads it; a row's accumulators live in memory between super-blocks, so the row count never changes a
@@ -45,6 +46,15 @@ static inline void st16(int16_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)
 /* kq_unpack's quants, 16 at a time (integers: the same values). */
 static inline __attribute__((always_inline)) void kq_unpack_q(const uint8_t *blk, const int qt, int16_t *q) {
     const __m256i m15 = _mm256_set1_epi16(15), m3 = _mm256_set1_epi16(3);
+    if (qt == QT_IQ4_XS) { /* each nibble looks its value up in the table (pshufb), widened to int16 */
+        const __m128i t = _mm_loadu_si128((const __m128i *)KQ_IQ4NL), n15 = _mm_set1_epi8(15);
+        for (int j = 0; j < 8; j++, q += 32) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * j));
+            st16(q, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(v, n15))));
+            st16(q + 16, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), n15))));
+        }
+        return;
+    }
     if (qt == QT_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const __m256i o = _mm256_set1_epi16(32);
@@ -104,6 +114,14 @@ static inline __m256 f8_of_i8(const int8_t *p) {
 static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *const *rows, int64_t off, const int qt,
                                                              float ds[][KG], float dm[][KG]) {
     __m256 c[KG], e[KG];
+    if (qt == QT_IQ4_XS) { /* d * (ls_j - 32): exact products, as kq_unpack's */
+        for (int u = 0; u < KG; u++) {
+            const uint8_t *b = rows[u] + off;
+            const float d = kvq_half(kvq_rd16(b));
+            for (int t = 0; t < 8; t++) ds[t][u] = d * (float)(kq_iq4xs_ls(b, t) - 32);
+        }
+        return;
+    }
     if (qt == QT_Q6_K) {
         for (int u = 0; u < KG; u++) {
             const uint8_t *b = rows[u] + off;
@@ -132,6 +150,17 @@ static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *cons
 
 /* One super-block: q[256] the quants as int16 (Q6_K: minus 32), ds[j] = d * sc_j, dm[j] = dmin * m_j (exact). */
 static void kq_unpack(const uint8_t *blk, int qt, int16_t *q, float *ds, float *dm) {
+    if (qt == QT_IQ4_XS) {
+        const float d = kvq_half(kvq_rd16(blk));
+        for (int j = 0; j < 8; j++, q += 32) {
+            ds[j] = d * (float)(kq_iq4xs_ls(blk, j) - 32), dm[j] = 0.0f;
+            for (int l = 0; l < 16; l++) {
+                q[l] = KQ_IQ4NL[blk[8 + 16 * j + l] & 15];
+                q[l + 16] = KQ_IQ4NL[blk[8 + 16 * j + l] >> 4];
+            }
+        }
+        return;
+    }
     if (qt == QT_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -235,7 +264,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                             p[u] = vi_add(dot16(qu, xr + 32 * t), dot16(qu + 16, xr + 32 * t + 16));
                         }
                         a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t])), a);
-                        a = vf_fnma(vf_load(dm[t]), vf_set1(sxr[t]), a);
+                        if (qt != QT_IQ4_XS) a = vf_fnma(vf_load(dm[t]), vf_set1(sxr[t]), a);
                     }
                 }
                 vf_store(acc + r * KG, a);
@@ -256,7 +285,8 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
     }
     if (j->qt == QT_Q4_K) kq_cols(j, n0, n1, acc, q, QT_Q4_K);
     else if (j->qt == QT_Q5_K) kq_cols(j, n0, n1, acc, q, QT_Q5_K);
-    else kq_cols(j, n0, n1, acc, q, QT_Q6_K);
+    else if (j->qt == QT_Q6_K) kq_cols(j, n0, n1, acc, q, QT_Q6_K);
+    else kq_cols(j, n0, n1, acc, q, QT_IQ4_XS);
     free(acc), free(q);
     return KVQ_OK;
 }
@@ -351,7 +381,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
 }
 
 /* Rows ids[0..n) as float32 (ids checked by the caller): the same floats as the gguf package's dequantization,
- * (d * sc_j) * q - dmin * m_j (a multiply, then a subtract) or (d * sc_j) * (q - 32). */
+ * (d * sc_j) * q - dmin * m_j (a multiply, then a subtract), (d * sc_j) * (q - 32) or (d * (ls_j - 32)) * T[q]. */
 int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out) {
     const int bb = kq_block_bytes(qt);
     if (!bb) return KVQ_EBADTYPE;
@@ -365,6 +395,8 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
             float *yb = out + r * K + s * QK_K;
             if (qt == QT_Q6_K)
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 16] * (float)q[i];
+            else if (qt == QT_IQ4_XS)
+                for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 32] * (float)q[i];
             else
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 32] * (float)q[i] - dm[i / 32];
         }
