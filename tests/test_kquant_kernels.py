@@ -173,13 +173,16 @@ KEPT_LEVELS = [lv for lv in ("avx2", "avx512") if lv in _levels_here()]
 
 @pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
 @pytest.mark.parametrize("level", ["avx2", "avx512"])
-@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("qtype", SBTYPES)
 def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     # kquants.c's kept routes (byte dot products over the copy laid out at load; at avx2 from 3 rows the int16
     # route reading the copy) against kq_cols over the GGUF rows: every row count (tiles and their tails), thread
     # count, a tail group of 13 columns, a bias, an all-zero row
     if level not in KEPT_LEVELS:
         pytest.skip(f"this CPU cannot run the {level} level")
+    if level == "avx2" and qtype == "IQ4_XS":
+        assert kernels.library(level).keep_tiles(torch.from_numpy(make_raw(qtype, 16, 256)), 16, 256, qtype) is None
+        return  # no kept copy at avx2: the table's values would saturate vpmaddubsw's pair sums
     lib = kernels.library(level)
     n, k = 45, 768
     raw = torch.from_numpy(make_raw(qtype, n, k, seed=30))
@@ -204,7 +207,7 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
 
 @pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
 @pytest.mark.parametrize("level", ["avx2", "avx512"])
-@pytest.mark.parametrize("qtype", KTYPES + ("Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", SBTYPES + ("Q4_0", "Q4_1"))
 def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qtype, level):
     if level not in KEPT_LEVELS:
         pytest.skip(f"this CPU cannot run the {level} level")
@@ -212,7 +215,7 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
         pytest.skip("at the avx2 level only K-quants have a kept copy")
     lib = kernels.library(level)
     n, k = 200, 1024
-    if qtype in KTYPES:
+    if qtype in SBTYPES:
         raw_np = make_raw(qtype, n, k, seed=40)
     else:  # random quants, sane fp16 d (and m)
         bb = 18 if qtype == "Q4_0" else 20

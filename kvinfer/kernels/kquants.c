@@ -414,6 +414,9 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
  *   columns' d, dmin as fp16 bits.
  *   Q6_K: ql as 32 rows (row 16h + 8p + k: ql[64h + 32p + 4k..]), qh as 16 rows (row 8h + k: qh[32h + 4k..]),
  *   sc[t][column] (int8), the KC d as fp16 bits, padding.
+ *   IQ4_XS (the avx512 level only: at avx2 its table's values would saturate vpmaddubsw's int16 pair sums): qs as
+ *   32 rows (row 4j + k: qs[16j + 4k..]; low nibbles are sub-block j's values 4k.., high nibbles 16 + 4k..), then
+ *   ls_j - 32 [j][column] (int8), the KC d as fp16 bits, padding.
  * That is the GGUF bytes' size (plus 1-3%), so a one-row decode reads no more. A 32-value block's 8 rows of quants
  * meet the activations' two bytes (hi + 128, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512
  * level; vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants), as qmatmul.c's
@@ -435,11 +438,16 @@ static int kc_sb_bytes(int qt) {
     case QT_Q4_K:
     case QT_Q5_K: return kc_so(qt) + 20 * KC;
     case QT_Q6_K: return (210 * KC + 63) / 64 * 64;
+#if KVQ_LEVEL >= 2
+    case QT_IQ4_XS: return (138 * KC + 63) / 64 * 64;
+#endif
     default: return 0;
     }
 }
 #define KC6_SC (48 * KC_R)          /* Q6_K: int8 scales */
 #define KC6_D (48 * KC_R + 16 * KC) /* Q6_K: d */
+#define KI_LS (32 * KC_R)         /* IQ4_XS: ls_j - 32 */
+#define KI_D (32 * KC_R + 8 * KC) /* IQ4_XS: d */
 
 int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt) {
     const int sbb = kc_sb_bytes(qt);
@@ -471,6 +479,14 @@ int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt
                 for (int t = 0; t < 16; t++)
                     for (int u = 0; u < KC; u++) o[KC6_SC + KC * t + u] = b[u][192 + t];
                 for (int u = 0; u < KC; u++) memcpy(o + KC6_D + 2 * u, b[u] + 208, 2);
+                continue;
+            }
+            if (qt == QT_IQ4_XS) {
+                kc_rows(b, 8, 32, o);
+                for (int u = 0; u < KC; u++) {
+                    for (int t = 0; t < 8; t++) o[KI_LS + KC * t + u] = (uint8_t)(int8_t)(kq_iq4xs_ls(b[u], t) - 32);
+                    memcpy(o + KI_D + 2 * u, b[u], 2);
+                }
                 continue;
             }
             const int q5 = qt == QT_Q5_K, so = kc_so(qt);
@@ -508,6 +524,15 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
                 for (int r = 0; r < 48; r++) memcpy(o + 4 * r, sb + KC_R * r + 4 * u, 4); /* ql, then qh */
                 for (int t = 0; t < 16; t++) o[192 + t] = sb[KC6_SC + KC * t + u];
                 memcpy(o + 208, sb + KC6_D + 2 * u, 2);
+                continue;
+            }
+            if (qt == QT_IQ4_XS) { /* every bit of scales_h / scales_l comes back from ls_j */
+                for (int r = 0; r < 32; r++) memcpy(o + 8 + 4 * r, sb + KC_R * r + 4 * u, 4);
+                memcpy(o, sb + KI_D + 2 * u, 2);
+                int ls[8], h = 0;
+                for (int t = 0; t < 8; t++) ls[t] = (int8_t)sb[KI_LS + KC * t + u] + 32, h |= ((ls[t] >> 4) & 3) << (2 * t);
+                o[2] = (uint8_t)(h & 0xff), o[3] = (uint8_t)(h >> 8);
+                for (int i = 0; i < 4; i++) o[4 + i] = (uint8_t)((ls[2 * i] & 15) | ((ls[2 * i + 1] & 15) << 4));
                 continue;
             }
             const int q5 = qt == QT_Q5_K, so = kc_so(qt);
@@ -707,6 +732,29 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
             }
             continue;
         }
+#if KVQ_LEVEL >= 2
+        if (qt == QT_IQ4_XS) { /* the nibbles looked up in the table (vpshufb per 128-bit lane), then as Q4_K */
+            const kc_vf vd = kc_half(sb + KI_D);
+            const kc_vi tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KQ_IQ4NL));
+            for (int j = 0; j < 8; j++) {
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const kc_vi v = kc_loadi(sb + KC_R * (4 * j + k));
+                    W[k] = _mm512_shuffle_epi8(tbl, kc_and(v, m4));
+                    W[k + 4] = _mm512_shuffle_epi8(tbl, kc_and(kc_srli16(v, 4), m4));
+                }
+                const kc_vi s15 = kc_slli32(kc_dot(kc_ones, W, 0, 8), 15);
+                const kc_vf vds = kc_mul(vd, kc_i8f(sb + KI_LS + KC * j));
+#pragma GCC unroll 8
+                for (int r = 0; r < MT; r++) {
+                    const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
+                    const kc_vi D = kc_block(xr, W, 0, 8, s15);
+                    acc[r] = kc_fma(kc_cvt(D), kc_mul(vds, kc_set1f(dx[r * nb + s * 8 + j])), acc[r]);
+                }
+            }
+            continue;
+        }
+#endif
         const int so = kc_so(qt);
         const kc_vf vd = kc_half(sb + so + 16 * KC), vmin = kc_half(sb + so + 18 * KC);
         for (int j = 0; j < 8; j++) {
@@ -742,7 +790,8 @@ typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, i
                             const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {                          \
         if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
         else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
-        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                                          \
+        else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                       \
+        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                                        \
     }
 KC_TILE(1)
 KC_TILE(2)
