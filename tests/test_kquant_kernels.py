@@ -310,3 +310,31 @@ def test_iq4_xs_is_kept_quantized_and_reads_its_scales_and_table():
         assert lib.matmul(x, raw, "IQ4_XS").item() == pytest.approx(-104.0, rel=1e-6), lv
     lin = QuantLinear(raw.clone(), "IQ4_XS", (1, 256))
     assert lin.raw.dtype == torch.uint8 and lin.uses_kernel()
+
+
+@pytest.mark.skipif(kernels.level() not in ("avx2", "avx512"), reason="the active kernels keep no copies")
+def test_a_dropped_weight_is_copied_and_saved_as_its_gguf_bytes_and_not_restored_at_teardown():
+    import copy
+    import gc
+    import mmap
+    n, k = 64, 4096
+    raw_np = make_raw("Q4_K", n, k, seed=70)
+    buf = mmap.mmap(-1, raw_np.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8).view(n, -1)
+    raw.copy_(torch.from_numpy(raw_np))
+    lin = QuantLinear(raw, "Q4_K", (n, k))
+    if not lin.uses_kernel(drop_source=True) or lin._tiles is None:
+        pytest.skip("the active kernels keep no copies (KVINFER_AMX_KEEP=0)")
+    assert lin._tiles.dropped and int(raw.count_nonzero()) < raw.numel() // 2
+    x = torch.randn(2, k)
+    y = lin(x)
+    twin = copy.deepcopy(lin)  # the copy holds the file's bytes; the original keeps computing the same
+    assert torch.equal(twin.raw, torch.from_numpy(raw_np)) and torch.equal(twin(x), y) and torch.equal(lin(x), y)
+    assert torch.equal(lin.state_dict()["raw"], torch.from_numpy(raw_np))
+    assert lin._tiles.drop_source()  # pages given back again
+    del lin, twin
+    gc.collect()
+    # the layer is gone with its copy: its pages were not written back just to be freed
+    assert int(raw.count_nonzero()) < raw.numel() // 2
+    del raw
+    buf.close()

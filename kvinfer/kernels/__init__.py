@@ -278,16 +278,20 @@ class KeptTiles:
             self.dropped = True
         return self.dropped
 
-    def release(self) -> None:
-        """Unregisters the copy (matmuls of the weight go back to unpacking per call)."""
+    def release(self, restore: bool = True) -> None:
+        """Unregisters the copy (matmuls of the weight go back to unpacking per call), first writing the weight's
+        dropped GGUF bytes back from it unless restore is False (the weight is going away too)."""
         if self.tiles is not None:
-            self.restore_source()
+            if restore:
+                self.restore_source()
             self._lib.lib.kvq_amx_tiles_register(self.weight.data_ptr(), 0, 0, 0, 0, None)
             self.tiles = None
 
     def __del__(self):
+        # Collected with its layer (which holds it as long as the weight is read): the dropped pages are not
+        # written back, which at a model's teardown would bring every weight's bytes back just to free them.
         try:
-            self.release()
+            self.release(restore=False)
         except Exception:  # interpreter shutdown: the library may be gone already
             pass
 

@@ -132,9 +132,14 @@ class QuantLinear(nn.Module):
     def __getstate__(self):
         # Caches only: a copy or unpickled layer rebuilds them on first use (and may land where the kernels
         # cannot be built).
+        self.source()  # the GGUF bytes themselves, not pages given back to the kept copy
         state = dict(self.__dict__)
         state.update(_kernel=None, _kernel_checked=False, _weight=None, _tiles=None)
         return state
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.source()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _apply(self, fn, *args, **kwargs):
         self._weight = None  # the cached copy would not follow a device move
