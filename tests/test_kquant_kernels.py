@@ -207,7 +207,7 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
 
 @pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
 @pytest.mark.parametrize("level", ["avx2", "avx512"])
-@pytest.mark.parametrize("qtype", SBTYPES + ("Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", SBTYPES + ("Q4_0", "Q4_1", "Q8_0"))
 def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qtype, level):
     if level not in KEPT_LEVELS:
         pytest.skip(f"this CPU cannot run the {level} level")
@@ -218,7 +218,7 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
     if qtype in SBTYPES:
         raw_np = make_raw(qtype, n, k, seed=40)
     else:  # random quants, sane fp16 d (and m)
-        bb = 18 if qtype == "Q4_0" else 20
+        bb = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
         rng = np.random.default_rng(41)
         blocks = rng.integers(0, 256, (n, k // 32, bb), dtype=np.uint8)
         blocks[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)

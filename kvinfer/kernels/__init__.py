@@ -219,7 +219,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # Types whose kept copy holds every byte of the GGUF rows (kvq_kept_rows reads them back), so the rows themselves
 # need not stay resident; and the source bytes packed at a time when they are dropped (the peak above the copy).
-_DROPPABLE = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+_DROPPABLE = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
 _DROP_CHUNK_BYTES = 32 << 20
 _MADV_DONTNEED = 4
 
@@ -382,7 +382,7 @@ class Kernels:
         rows) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking, and the
         vector route without its per-block transpose (docs/KQUANTS.md, docs/BENCHMARKS.md). None below the avx512
         level or where W is not quantised; the copy lives (and stays registered) as long as the result.
-        drop_source (Q4_0, Q4_1, K-quants): W's pages are given back as they are packed, so the process holds the
+        drop_source (Q4_0, Q4_1, Q8_0, K-quants, IQ4_XS): W's pages are given back as they are packed, so the process holds the
         weight once; W must then be read only by the kernels or after KeptTiles.restore_source()."""
         if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
                 or w.stride(1) != 1):

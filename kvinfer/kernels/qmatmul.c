@@ -735,9 +735,10 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                   int64_t ldo) {
     if (kq_is_kquant(qt)) return kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo);
-    if (qt != QT_Q4_0 && qt != QT_Q4_1) return KVQ_EBADTYPE;
+    if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return KVQ_EBADTYPE;
     if (K <= 0 || K % QK || N <= 0) return KVQ_EBADSHAPE;
     const int64_t nb = K / QK, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt), qo = qt == QT_Q4_1 ? 4 : 2;
+    const int qb = kept_qbytes(qt), nrows = qb / 64; /* 8 rows of quants (Q8_0) or 4 of nibble pairs */
     for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return KVQ_EBADSHAPE;
         const uint8_t *gq = kept + ids[i] / KEPT_COLS * gb;
@@ -745,7 +746,7 @@ int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64
         const int64_t u = ids[i] % KEPT_COLS;
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = out + i * ldo + b * bb;
-            for (int k = 0; k < 4; k++) memcpy(o + qo + 4 * k, gq + b * 256 + 64 * k + 4 * u, 4);
+            for (int k = 0; k < nrows; k++) memcpy(o + qo + 4 * k, gq + b * qb + 64 * k + 4 * u, 4);
             memcpy(o, dh + b * KEPT_COLS + u, 2);
             if (qt == QT_Q4_1) memcpy(o + 2, mh + b * KEPT_COLS + u, 2);
         }
