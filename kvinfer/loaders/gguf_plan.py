@@ -9,14 +9,14 @@ import numpy as np
 
 from kvinfer.loaders.dequant import IQ4NL_VALUES, block_info, type_name
 
-# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up): the kernels take a fused layer whose
-# parts are all kernel types (one QuantLinear, or one per part where the types differ, as in Q4_K_M), so the
-# parts are kept quantized (lazy) together or widened together.
+# Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up, and each expert's gate/up): the kernels
+# take a fused layer whose parts are all kernel types (one QuantLinear, or one per part where the types differ,
+# as in Q4_K_M), so the parts are kept quantized (lazy) together or widened together.
 _FUSED_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def _fusion_group(hf_name: str) -> str:
-    m = re.match(r"(model\.layers\.\d+\.\w+\.)(\w+)\.weight$", hf_name)
+    m = re.match(r"(model\.layers\.\d+\.[\w.]+\.)(\w+)\.weight$", hf_name)
     if not m or m.group(2) not in _FUSED_GROUP:
         return hf_name
     return m.group(1) + _FUSED_GROUP[m.group(2)]
@@ -57,9 +57,9 @@ def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
 
 
 def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: frozenset) -> set[str]:
-    """HF names of the matrices left quantized: 2-D, and every part of their fused group of a type the kernels take
-    (kernel_type) (a group of Q4_K q/k with a Q6_K v stays quantized in parts; one with any other type is widened
-    whole).
+    """HF names of the matrices left quantized: 2-D (or stacked experts, 3-D), not a router, and every part of their
+    fused group of a type the kernels take (kernel_type) (a group of Q4_K q/k with a Q6_K v stays quantized in
+    parts; one with any other type is widened whole).
 
     names: GGUF name -> HF name; infos: GGUF name -> (shape, type id)."""
     group_types: dict[str, set[str]] = {}
@@ -68,7 +68,8 @@ def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: froze
     out = set()
     for gname, hf in names.items():
         types = group_types[_fusion_group(hf)]
-        if len(infos[gname][0]) == 2 and types <= lazy_types:
+        # The router stays float: its few rows decide the experts, and llama.cpp leaves it unquantized too.
+        if len(infos[gname][0]) in (2, 3) and types <= lazy_types and not hf.endswith(".mlp.gate.weight"):
             out.add(hf)
     return out
 
@@ -101,10 +102,15 @@ def expected_shape(hf_name: str, cfg) -> tuple[int, ...] | None:
     m = re.fullmatch(r"model\.layers\.\d+\.([\w.]+)\.(weight|bias)", hf_name)
     if not m:
         return None
+    n, e = cfg.num_experts, cfg.moe_intermediate_size
     rows_cols = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h),
                  "mlp.down_proj": (h, ffn), "input_layernorm": (h,), "post_attention_layernorm": (h,),
-                 "self_attn.q_norm": (cfg.head_dim,), "self_attn.k_norm": (cfg.head_dim,)}.get(m.group(1))
+                 "pre_feedforward_layernorm": (h,), "post_feedforward_layernorm": (h,),
+                 "self_attn.q_norm": (cfg.head_dim,), "self_attn.k_norm": (cfg.head_dim,),
+                 "self_attn.qkv_proj": (q + 2 * kv, h), "mlp.gate_up_proj": (2 * ffn, h),
+                 "mlp.gate": (n, h), "mlp.experts.gate_proj": (n, e, h), "mlp.experts.up_proj": (n, e, h),
+                 "mlp.experts.down_proj": (n, h, e)}.get(m.group(1))
     if rows_cols is None:
         return None
     return rows_cols[:1] if m.group(2) == "bias" else rows_cols

@@ -6,17 +6,25 @@ import logging
 from torch import nn
 
 from kvinfer import kernels
+from kvinfer.layers.moe import MoE
 from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear, QuantParts
 
 log = logging.getLogger("kvinfer")
 
-# (our module path within a layer, the checkpoint tensors fused into it, in order)
-_LLAMA_LINEARS = [
-    ("attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("attn.o", ("self_attn.o_proj",)),
-    ("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.down", ("mlp.down_proj",)),
-]
+
+def _layer_linears(layer: nn.Module):
+    """(module holding the linear, its attribute, the checkpoint tensors fused into it in order: each alternative
+    naming) for every linear of a decoder layer the GGUF blocks can serve."""
+    yield layer.attn, "qkv", (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                              ("self_attn.qkv_proj",))  # Phi-3's fused tensor
+    yield layer.attn, "o", (("self_attn.o_proj",),)
+    if isinstance(layer.mlp, MoE):
+        for e, expert in enumerate(layer.mlp.experts):
+            yield expert, "gate_up", ((f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"),)
+            yield expert, "down", ((f"mlp.experts.{e}.down_proj",),)
+    else:
+        yield layer.mlp, "gate_up", (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",))
+        yield layer.mlp, "down", (("mlp.down_proj",),)
 
 
 def kernel_types() -> set[str]:
@@ -38,15 +46,14 @@ def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
     ok_types = kernel_types()
     swapped = 0
     for i, layer in enumerate(model.layers):
-        for ours, parts in _LLAMA_LINEARS:
-            names = [f"model.layers.{i}.{p}.weight" for p in parts]
-            if not all(n in raw for n in names):
+        for holder, attr, namings in _layer_linears(layer):
+            names = next(([f"model.layers.{i}.{p}.weight" for p in parts] for parts in namings
+                          if all(f"model.layers.{i}.{p}.weight" in raw for p in parts)), None)
+            if names is None:
                 continue
             types = {raw[n][1] for n in names}
             if not types <= ok_types or (len(types) > 1 and keep_float):
                 continue
-            holder_name, attr = ours.split(".")
-            holder = getattr(layer, holder_name)
             old: nn.Linear = getattr(holder, attr)
             parts = [QuantLinear.from_raw(*raw[n]) for n in names]
             if len(types) > 1:  # mixed types (Q4_K_M): one QuantLinear per part
