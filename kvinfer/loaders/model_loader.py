@@ -210,7 +210,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         ckpt = read_gguf(src.path, keep_raw=quant, lazy_types=lazy)
         cfg = ckpt.config
         model = build_model(cfg, max_positions, torch.float32, device)
-        load_into(model, cfg, ckpt.tensors.items())
+        load_into(model, cfg, ckpt.tensors.items(), from_gguf=True)
         # An explicit --tokenizer wins over the one embedded in the GGUF.
         tokenizer = Tokenizer.from_hf_dir(Path(ecfg.tokenizer)) if ecfg.tokenizer else \
             Tokenizer.from_gguf_metadata(ckpt.metadata)
@@ -222,7 +222,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
                 # A matrix the kernels could not take (mixed types in one fused projection): load it in float.
                 ckpt = read_gguf(src.path, keep_raw=True)
                 model = build_model(cfg, max_positions, torch.float32, device)
-                load_into(model, cfg, ckpt.tensors.items())
+                load_into(model, cfg, ckpt.tensors.items(), from_gguf=True)
                 quantized = quantize_from_gguf(model, ckpt.raw)
             del ckpt
     elif src.kind == "safetensors":

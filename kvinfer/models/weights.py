@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -205,9 +206,16 @@ WEIGHT_MAPS: dict[str, Callable[[ModelConfig, Iterable[tuple[str, torch.Tensor]]
 }
 
 
-def load_into(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Map checkpoint tensors onto `model`'s parameters; every parameter must be filled exactly once."""
-    mapper = WEIGHT_MAPS.get(cfg.architecture)
+# Where the GGUF loader's tensors (already under Hugging Face names) need another map than the family's checkpoints.
+GGUF_WEIGHT_MAPS = {"gemma3": partial(gemma3.map_gemma3, norms_hold_one=True)}
+
+
+def load_into(model: torch.nn.Module, cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+              from_gguf: bool = False) -> None:
+    """Map checkpoint tensors onto `model`'s parameters; every parameter must be filled exactly once.
+
+    from_gguf: the tensors come from the GGUF loader (as llama.cpp's converter wrote them)."""
+    mapper = (from_gguf and GGUF_WEIGHT_MAPS.get(cfg.architecture)) or WEIGHT_MAPS.get(cfg.architecture)
     if mapper is None:
         raise ModelLoadError(f"no weight map for architecture {cfg.architecture!r}")
     state = mapper(cfg, tensors)

@@ -34,10 +34,15 @@ class SandwichLayer(nn.Module):
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
 
 
-def map_gemma3(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def map_gemma3(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+               norms_hold_one: bool = False) -> dict[str, torch.Tensor]:
+    """norms_hold_one: the norm weights are already 1 + w (llama.cpp's converter adds the one when it writes a GGUF
+    file), so they are taken as they are."""
     from kvinfer.models.weights import map_llama
 
     out = map_llama(cfg, tensors, HF_LAYER_NAMES)
+    if norms_hold_one:
+        return out
     # Gemma's RMSNorm scales by (1 + w); adding the one here, in float32 as transformers does, leaves the usual norm.
     for name, t in out.items():
         if name.endswith("norm.weight"):
