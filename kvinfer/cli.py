@@ -437,7 +437,7 @@ def cmd_models(args) -> int:
           + " (mixtral, qwen2_moe, qwen3_moe: mixture of experts)")
     from kvinfer.loaders.gguf_loader import SUPPORTED_ARCHITECTURES
 
-    print(f"GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    print(f"GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)} (llama with expert tensors: Mixtral)")
     print("GGUF tensor types: " + ", ".join(SUPPORTED_GGUF_TYPES))
     print("Formats: HF directory (config.json + *.safetensors, sharded or not), GGUF file, dummy (random weights)")
     print("Presets for --load-format dummy and plan: " + ", ".join(PRESETS))

@@ -20,7 +20,11 @@ from kvinfer.loaders.gguf_plan import as_q8_0, expected_shape, kernel_type, lazy
 
 log = logging.getLogger("kvinfer")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama covers Mixtral too (the llama architecture with expert tensors).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
+# GGUF architecture -> the Hugging Face model_type whose config normaliser it goes through.
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
+                "qwen3moe": "qwen3_moe"}
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -50,11 +54,32 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head RMSNorm on q and k
     "attn_k_norm": "self_attn.k_norm",
+    # Mixture of experts: the router, and each projection of every expert stacked in one 3-D tensor
+    # [experts, rows, cols] (split into per-expert matrices by _unstack_experts).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Where an architecture's names differ from the table above.
+_ARCH_LAYER_NAMES = {
+    # Gemma 3's sandwich: ffn_norm is the norm before the MLP, and the norms after attention and the MLP.
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3 keeps its fused [q; k; v] and [gate; up] (ffn_up has 2 * feed_forward_length rows).
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\w+)\.weight")
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.\d+\.(\w+)\.weight")  # one expert's matrix
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's longrope factors, read into the config rather than loaded as weights.
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _INT_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
-             "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length")
+             "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length", "expert_count",
+             "expert_used_count", "expert_feed_forward_length")
+# llama.cpp's layer pattern for Gemma 3 when the file names none: every sixth layer global, the rest windowed.
+_GEMMA3_SWA_PATTERN = 6
 # llama.cpp's converter permutes q/k rows only for these architectures (qwen2/qwen3 keep HF's layout).
 _PERMUTED_ARCHS = ("llama",)
 
@@ -332,13 +357,34 @@ def read_metadata(path: Union[str, Path]) -> dict[str, Any]:
     return f.metadata
 
 
-def _hf_name(gguf_name: str) -> Optional[str]:
+def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+    if not m:
+        return None
+    hf = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
+
+
+def _unstack_experts(tensors: dict) -> dict:
+    """Stacked expert tensors [experts, rows, cols] (or their raw blocks) as one entry per expert under the
+    Hugging Face per-expert names (views, no copy); every other entry as it is."""
+    out = {}
+    for name, t in tensors.items():
+        m = _STACKED_EXPERTS.fullmatch(name)
+        if not m:
+            out[name] = t
+            continue
+        if isinstance(t, tuple):  # raw: (uint8 [experts * rows, row_bytes], type, (experts, rows, cols))
+            data, tname, shape = t
+            n, rows = shape[0], shape[1]
+            for e in range(n):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (data[e * rows:(e + 1) * rows], tname, shape[1:])
+        else:
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
+    return out
 
 
 def _llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
@@ -393,7 +439,7 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
 
     heads = need("attention.head_count")
     d: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES[arch],
         "hidden_size": need("embedding_length"),
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
@@ -420,7 +466,9 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
         d["mlp_bias"] = True
 
     scaling = opt("rope.scaling.type")
-    if scaling is not None and scaling != "none":
+    if arch == "phi3":
+        _phi3_config(f, d, opt, infos)
+    elif scaling is not None and scaling != "none":
         d["rope_scaling"] = {"rope_type": scaling, "factor": float(opt("rope.scaling.factor", 1.0))}
         if opt("rope.scaling.original_context_length") is not None:
             d["rope_scaling"]["original_max_position_embeddings"] = opt("rope.scaling.original_context_length")
@@ -429,6 +477,10 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
                            infos[_ROPE_FREQS].shape).double().numpy()
         dim = opt("rope.dimension_count") or d.get("head_dim") or d["hidden_size"] // heads
         d["rope_scaling"] = _rope_scaling_from_freqs(freqs, float(d["rope_theta"]), dim, meta, arch, f.path)
+    if arch == "gemma3":
+        _gemma3_config(f, d, opt)
+    if opt("expert_count") is not None or "blk.0.ffn_gate_inp.weight" in infos:
+        _moe_config(f, d, arch, opt, need, infos)
 
     if "tokenizer.ggml.bos_token_id" in meta:
         d["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
@@ -439,6 +491,103 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
     if eos:
         d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return d
+
+
+def _gemma3_config(f: _File, d: dict, opt) -> None:
+    """Gemma 3 as llama.cpp reads it: windowed layers by the file's pattern (or every sixth layer global), their
+    own RoPE base (default 10000), the softmax scale from the head size, GELU-tanh, soft-capped logits."""
+    n = d["num_hidden_layers"]
+    window = opt("attention.sliding_window")
+    pattern = opt("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: windowed or not
+        if len(pattern) < n:
+            raise ModelLoadError(f"GGUF file {f.path}: gemma3.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"entries for {n} layers")
+        windowed = [bool(x) for x in pattern[:n]]
+    else:
+        windowed = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    d["layer_types"] = ["sliding_attention" if w and window else "full_attention" for w in windowed]
+    d["sliding_window"] = window or None
+    d["rope_local_base_freq"] = opt("rope.freq_base_swa", 10000.0)
+    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    # The file has no query_pre_attn_scalar; llama.cpp scales by the head size, except for the 62-layer (27B)
+    # model, whose scalar is hidden / heads (as its Hugging Face config says).
+    d["query_pre_attn_scalar"] = d["hidden_size"] // d["num_attention_heads"] if n == 62 else d["head_dim"]
+    d["final_logit_softcapping"] = opt("final_logit_softcapping")
+    d["hidden_activation"] = "gelu_pytorch_tanh"
+
+
+def _phi3_config(f: _File, d: dict, opt, infos: dict[str, _TensorInfo]) -> None:
+    """Phi-3 / Phi-4-mini: partial rotary from rope.dimension_count, the window (0: none), longrope factors from
+    the rope_factors_long / rope_factors_short tensors."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    rot = opt("rope.dimension_count", head_dim)
+    if not (isinstance(rot, int) and 0 < rot <= head_dim and rot % 2 == 0):
+        raise UnsupportedError(f"GGUF file {f.path}: phi3.rope.dimension_count={rot!r} is not supported "
+                               f"(need an even number up to the head size {head_dim})")
+    partial = rot / head_dim
+    while int(head_dim * partial) < rot:  # the config normaliser takes int(head_dim * factor), as transformers
+        partial = math.nextafter(partial, 2.0)
+    d["partial_rotary_factor"] = partial
+    d["sliding_window"] = opt("attention.sliding_window") or None
+    have = [n for n in _ROPE_FACTORS if n in infos]
+    if not have:
+        if opt("rope.scaling.type") not in (None, "none"):
+            raise UnsupportedError(f"GGUF file {f.path}: phi3 RoPE scaling {opt('rope.scaling.type')!r} without "
+                                   "rope_factors_long/short tensors is not supported")
+        return
+    if len(have) != 2:
+        raise ModelLoadError(f"GGUF file {f.path} has {have[0]} without its pair")
+    orig = opt("rope.scaling.original_context_length")
+    if orig is None:
+        raise ModelLoadError(f"GGUF file {f.path} has longrope factors but lacks "
+                             "phi3.rope.scaling.original_context_length")
+    long_f, short_f = (dequantize(f.tensor_bytes(infos[n]), infos[n].type_id, infos[n].shape).tolist()
+                       for n in _ROPE_FACTORS)
+    if len(long_f) != rot // 2 or len(short_f) != rot // 2:
+        raise ModelLoadError(f"GGUF file {f.path}: longrope factors have {len(long_f)} and {len(short_f)} entries, "
+                             f"the rotary size {rot} needs {rot // 2}")
+    d["rope_scaling"] = {"rope_type": "longrope", "long_factor": long_f, "short_factor": short_f,
+                         "original_max_position_embeddings": orig}
+    stored = opt("rope.scaling.attn_factor")
+    if stored is not None:
+        # The converter stores transformers' factor, sqrt(1 + ln(s) / ln(orig)) for a context stretched s times, as
+        # float32: where the file holds that value, keep it unrounded.
+        s = d["max_position_embeddings"] / orig
+        exact = math.sqrt(1 + math.log(s) / math.log(orig)) if s > 1 else 1.0
+        d["rope_scaling"]["attention_factor"] = exact if np.float32(exact) == np.float32(stored) else float(stored)
+
+
+def _moe_config(f: _File, d: dict, arch: str, opt, need, infos: dict[str, _TensorInfo]) -> None:
+    """Experts in every layer, softmax routing, top-k weights renormalised (llama.cpp hard-wires both for
+    llama/Mixtral and qwen3moe, whatever norm_topk_prob the Hugging Face config had)."""
+    if arch not in ("llama", "qwen3moe"):
+        raise UnsupportedError(f"GGUF file {f.path}: expert tensors in a {arch} file are not supported "
+                               "(supported: llama (Mixtral), qwen3moe)")
+    gating = opt("expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedError(f"GGUF file {f.path}: {arch}.expert_gating_func={gating!r} is not supported "
+                               "(supported: 1, softmax)")
+    scale = opt("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedError(f"GGUF file {f.path}: {arch}.expert_weights_scale={scale!r} is not supported "
+                               "(supported: 1.0)")
+    if any(n.startswith("blk.") and ("_shexp." in n or "_chexp" in n) for n in infos):
+        raise UnsupportedError(f"GGUF file {f.path}: shared-expert tensors (ffn_*_shexp) are not supported")
+    n = d["num_hidden_layers"]
+    parts = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    dense = [i for i in range(n) if any(f"blk.{i}.{p}.weight" not in infos for p in parts)]
+    if dense:
+        raise UnsupportedError(f"GGUF file {f.path}: layers {dense[:8]} lack expert tensors ({', '.join(parts)}); "
+                               "dense layers among expert layers are not supported")
+    experts = need("expert_count")
+    d["num_experts"] = d["num_local_experts"] = experts
+    d["num_experts_per_tok"] = need("expert_used_count")
+    d["norm_topk_prob"] = True
+    if arch == "llama":
+        d["model_type"] = "mixtral"  # its experts are feed_forward_length wide
+    else:
+        d["moe_intermediate_size"] = need("expert_feed_forward_length")
 
 
 def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
@@ -472,8 +621,19 @@ def _architecture(f: _File) -> str:
     return arch
 
 
+def _config(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> ModelConfig:
+    """The file's ModelConfig; a config the normaliser refuses is refused naming the file."""
+    try:
+        return model_config_from_hf(_hf_config_dict(f, arch, infos))
+    except (ModelLoadError, UnsupportedError) as e:
+        if str(f.path) in str(e):
+            raise
+        raise type(e)(f"GGUF file {f.path}: {e}") from None
+
+
 def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset()) -> GGUFCheckpoint:
-    """Parse a llama/qwen2/qwen3 GGUF file into a ModelConfig and float32 tensors under Hugging Face names.
+    """Parse a GGUF file (SUPPORTED_ARCHITECTURES) into a ModelConfig and float32 tensors under Hugging Face names
+    (stacked expert tensors split into one matrix per expert, as views).
 
     Matrices of a type in lazy_types (with keep_raw) are not dequantized: their tensors are shape-only
     placeholders on the meta device, for a caller that swaps them for layers over the raw blocks."""
@@ -485,9 +645,9 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             raise ModelLoadError(f"GGUF file {f.path} names a tensor twice")
         names: dict[str, str] = {}
         for info in f.infos:
-            if info.name == _ROPE_FREQS:
-                continue
-            hf = _hf_name(info.name)
+            if info.name == _ROPE_FREQS or (arch == "phi3" and info.name in _ROPE_FACTORS):
+                continue  # read into the config
+            hf = _hf_name(info.name, arch)
             if hf is None:
                 raise UnsupportedError(
                     f"GGUF tensor {info.name} in {f.path} has no Hugging Face counterpart for architecture {arch}"
@@ -500,7 +660,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
                 )
             names[info.name] = hf
 
-        config = model_config_from_hf(_hf_config_dict(f, arch, infos))
+        config = _config(f, arch, infos)
         for gname, hf in names.items():
             want = expected_shape(hf, config)
             got = infos[gname].shape
@@ -532,21 +692,22 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             order = _unpermute_rows(n_head, info.shape[0]).numpy() if n_head is not None else None
             tname = type_name(info.type_id)
             types[hf] = tname
+            rows = math.prod(info.shape[:-1])  # a stacked expert tensor's rows: every expert's, one after another
             if hf in lazy_set or raw_all:
                 data = f.read_tensor(info, order)
                 if hf in lazy_set and kernel_type(tname, lazy_types) != tname:  # the same values, as Q8_0 blocks
                     count = relaid.setdefault(tname, [0, 0, 0])
                     count[0], count[1] = count[0] + 1, count[1] + data.nbytes
-                    data = as_q8_0(data.reshape(info.shape[0], -1), tname).reshape(-1)
+                    data = as_q8_0(data.reshape(rows, -1), tname).reshape(-1)
                     count[2] += data.nbytes
                     tname = types[hf] = "Q8_0"
-                raw[hf] = (data.reshape(info.shape[0], -1) if len(info.shape) > 1 else data, tname, info.shape)
+                raw[hf] = (data.reshape(rows, -1) if len(info.shape) > 1 else data, tname, info.shape)
                 if hf in lazy_set:
                     lazy[hf] = torch.empty(tuple(info.shape), device="meta")
                 else:
                     by_type.setdefault(tname, []).append((hf, info.shape, data))
             else:
-                if lazy_types and len(info.shape) == 2 and tname != "F32":
+                if lazy_types and len(info.shape) >= 2 and tname != "F32":
                     widened.append((gname, tname, info.shape, f._span(info)[1]))
                 by_type.setdefault(tname, []).append((hf, info.shape, (info, order)))
 
@@ -578,7 +739,9 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             for (hf, shape, _), piece in zip(items, torch.split(out, sizes)):
                 decoded[hf] = piece.view(shape)
         del by_type
-        tensors = {hf: decoded[hf] for hf in names.values()}
+        tensors = _unstack_experts({hf: decoded[hf] for hf in names.values()})
+        raw = _unstack_experts(raw)
+        types = {n: types[n] if n in types else types[_EXPERT_RE.sub(r"\1.\2.weight", n)] for n in tensors}
         return GGUFCheckpoint(config=config, tensors=tensors, metadata=f.metadata, tensor_types=types, raw=raw)
     finally:
         f.close()
@@ -588,7 +751,6 @@ def read_metadata_config(path: Union[str, Path]) -> ModelConfig:
     """The ModelConfig of a GGUF file from its header alone (no tensor data is read)."""
     f = _File(path, with_tensors=True)
     try:
-        arch = _architecture(f)
-        return model_config_from_hf(_hf_config_dict(f, arch, {i.name: i for i in f.infos}))
+        return _config(f, _architecture(f), {i.name: i for i in f.infos})
     finally:
         f.close()
