@@ -163,6 +163,26 @@ def test_gemma3_norms_are_taken_as_written(ref_of):
     assert torch.equal(loaded.model.layers[0].post_mlp_norm.weight, 1.0 + hf_w.float())
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_f16_files_match_transformers_at_f16_weights(name, ref_of):
+    """--outtype f16 (matrices F16, stacked experts included; norms and the router kept F32 by the converter): the
+    logits of transformers with those very weights rounded to float16."""
+    import copy
+
+    ref = ref_of(name, "f16")
+    hf = copy.deepcopy(ref["hf"])
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if p.ndim >= 2 and not pname.endswith(".gate.weight"):
+                p.copy_(p.half().float())
+    ids = ref["prompt"] + ref["tokens"][:12]
+    want = hf_logits(hf, ids)
+    loaded = load_model(EngineConfig(model=str(ref["f16"]), dtype="float32", device="cpu"))
+    ours = step_logits(loaded, ref["prompt"], ref["tokens"][:12], "paged", block_size=4)
+    diff = (ours - want).abs().max().item()
+    assert diff <= 1e-4, f"{name}: max abs logits diff {diff:.2e}"
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "phi3"])
 def test_q8_0_files_stay_quantized(name, ref_of):
     """--outtype q8_0: every expert's (and Phi-3's fused) matrices are served from the file's Q8_0 blocks, the router
