@@ -27,8 +27,12 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/kvinfer generate "$(PROMPT)"
 
+# llama.cpp's convert_hf_to_gguf.py, for the tests that convert tiny models to GGUF (inside this sdist).
+LLAMA_SDIST := $(VENV)/sdist/llama_cpp_python-0.3.36.tar.gz
+
 test: $(VENV)/.installed-test browser
-	$(PY) -m pytest -q
+	@$(PY) scripts/fetch_llama_sdist.py $(VENV)/sdist >/dev/null || true
+	KVINFER_LLAMA_SDIST=$(LLAMA_SDIST) $(PY) -m pytest -q
 
 # Not fatal here: without a browser the page tests fail and say why.
 browser:

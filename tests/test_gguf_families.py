@@ -26,7 +26,9 @@ from tests.reference_helpers import hf_greedy, hf_logits, prompts, save_tiny, st
 from tests.test_families_new import FAMS, GEMMA3
 
 # llama.cpp's converter, from the llama-cpp-python sdist (or a path to convert_hf_to_gguf.py itself).
-SDIST = Path(os.environ.get("KVINFER_LLAMA_SDIST", "/work/llama-src/llama_cpp_python-0.3.36.tar.gz"))
+# `make test` fetches it (scripts/fetch_llama_sdist.py) into .venv/sdist.
+SDIST = Path(os.environ.get("KVINFER_LLAMA_SDIST",
+                            Path(__file__).resolve().parents[1] / ".venv/sdist/llama_cpp_python-0.3.36.tar.gz"))
 CONVERTER = os.environ.get("KVINFER_CONVERT_HF_TO_GGUF")
 # The converter hashes the tokenizer's pre-tokenizer; the built-in model's (SmolLM2's) is one it knows.
 VOCAB = 49152
@@ -57,8 +59,8 @@ def converter(tmp_path_factory) -> Path:
     if CONVERTER:
         return Path(CONVERTER)
     if not SDIST.is_file():
-        pytest.skip(f"llama.cpp's convert_hf_to_gguf.py: no llama-cpp-python sdist at {SDIST} "
-                    "(set KVINFER_LLAMA_SDIST or KVINFER_CONVERT_HF_TO_GGUF)")
+        pytest.skip(f"llama.cpp's convert_hf_to_gguf.py: no llama-cpp-python sdist at {SDIST} (`make test` "
+                    "fetches it: scripts/fetch_llama_sdist.py; or set KVINFER_LLAMA_SDIST or KVINFER_CONVERT_HF_TO_GGUF)")
     out = tmp_path_factory.mktemp("llama_cpp")
     wanted = ("/convert_hf_to_gguf.py", "/conversion/", "/gguf-py/")
     with tarfile.open(SDIST) as tar:
