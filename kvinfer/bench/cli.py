@@ -354,30 +354,38 @@ def cmd_decode(args) -> int:
     return 0
 
 
+def run_throughput_workload(llm, num_requests: int, seed: int):
+    """`bench throughput`'s measurement (also `simulate --bench`'s): a warm-up request outside the workload, then
+    the seeded workload in one generate call. Returns (workload, outputs, wall seconds)."""
+    from kvinfer.bench.workload import throughput_workload
+    from kvinfer.sampling_params import SamplingParams
+
+    eng = llm.engine
+    work = throughput_workload(num_requests, seed, vocab_size=eng.model_config.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]
+    # Warm-up on a prompt outside the workload (the workload's own would be served from the prefix cache).
+    warm = throughput_workload(1, seed + 1, vocab_size=eng.model_config.vocab_size)[0]
+    llm.generate([warm.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
+    if eng.tp is not None:
+        eng.tp.stats.reset()
+    t0 = time.perf_counter()
+    outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
+    return work, outs, time.perf_counter() - t0
+
+
 def cmd_throughput(args) -> int:
     import resource
 
-    from kvinfer.bench.workload import percentile, throughput_workload
+    from kvinfer.bench.workload import percentile
     from kvinfer.cli import engine_config_from_args
     from kvinfer.engine.llm import LLM
-    from kvinfer.sampling_params import SamplingParams
     from kvinfer.utils import format_bytes
 
     cfg = engine_config_from_args(args)
 
     def run(llm):
-        eng = llm.engine
-        work = throughput_workload(args.num_requests, args.workload_seed, vocab_size=eng.model_config.vocab_size)
-        params = [SamplingParams(temperature=0, max_tokens=w.output_tokens, ignore_eos=True) for w in work]
-        # Warm-up on a prompt outside the workload (the workload's own would be served from the prefix cache).
-        warm = throughput_workload(1, args.workload_seed + 1, vocab_size=eng.model_config.vocab_size)[0]
-        llm.generate([warm.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
-        if eng.tp is not None:
-            eng.tp.stats.reset()
-        t0 = time.perf_counter()
-        outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
-        return work, outs, time.perf_counter() - t0
+        return run_throughput_workload(llm, args.num_requests, args.workload_seed)
 
     llm = LLM(config=cfg)
     eng = llm.engine
