@@ -478,7 +478,8 @@ EXAMPLES = {
     "kvinfer lab kvcache": ["kvinfer lab kvcache", "kvinfer lab kvcache --tokens 256 --out lab_out"],
     "kvinfer plan": ["kvinfer plan", "kvinfer plan --model llama-2-7b --memory 24GiB",
                      "kvinfer plan --model llama-2-7b --kv-cache-dtype int8"],
-    "kvinfer simulate": ["kvinfer simulate", "kvinfer simulate --synthetic 200 --kv-cache-memory 256MiB"],
+    "kvinfer simulate": ["kvinfer simulate", "kvinfer simulate --synthetic 200 --kv-cache-memory 256MiB",
+                         "kvinfer simulate --bench --synthetic 32 --no-compare"],
 }
 
 

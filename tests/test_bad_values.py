@@ -96,7 +96,7 @@ OWN = {
                  "--max-num-batched-tokens": ["0"], "--cost-model": ["cheap", "nan,1", "0"], "--threads": ["0", HUGE],
                  "--fit-clock": ["sundial"], "--out": [README, "/proc/nope"], "--tp": ["0"],
                  "--tensor-parallel-size": ["0"], "--tp-latency": ["-1", "nan", "fast"],
-                 "--tp-bandwidth": ["0", "-2", "inf"]},
+                 "--tp-bandwidth": ["0", "-2", "inf"], "--num-scheduler-steps": ["0", "65"]},
 }
 # Free text: no value is bad. (Engine and sampling flags of other commands are the shared ones above.)
 FREE_TEXT = {"--prompt", "--system", "--stop", "--api-key", "--served-model-name", "--master-addr",

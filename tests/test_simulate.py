@@ -117,8 +117,9 @@ def test_load_trace(tmp_path):
 
 def test_parse_cost_model_and_scaling():
     assert sim.parse_cost_model("fitted") is sim.FITTED
-    assert sim.parse_cost_model("0.01,0.002").coefficients == (0.01, 0.002, 0.0, 0.0)
-    for bad in ("x", "1,2,3,4,5", "-1", "0,0"):
+    assert sim.parse_cost_model("0.01,0.002").coefficients == (0.01, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert sim.parse_cost_model("1,2,3,4,5,6,7").coefficients == (1, 2, 3, 4, 5, 6, 7)
+    for bad in ("x", "1,2,3,4,5,6,7,8", "-1", "0,0", "0,0,0,0,1"):
         with pytest.raises(ValidationError, match="cost_model"):
             sim.parse_cost_model(bad)
     big = sim.FITTED.scaled_to(preset_config("llama-2-7b"))
@@ -138,6 +139,57 @@ def test_nonneg_lstsq_recovers_coefficients():
     true = np.array([0.02, 3e-4, 0.0, 2e-6])
     y = x @ true
     assert np.allclose(sim._nonneg_lstsq(x, y, 1 / y), true, atol=1e-9)
+
+
+def _synthetic_samples(planned, fused, rng, noise=0.0):
+    """Step timings made from known coefficients, shaped as calibrate() records them."""
+    a, b, c, d = planned
+    e, f, g = fused
+    out = []
+    for n, dec, ctx in [(64, 0, 64), (2048, 0, 2048), (512, 0, 512), (1024, 0, 1024), (1, 1, 70), (4, 4, 2060),
+                        (32, 32, 540), (16, 16, 1100), (2048, 7, 4096), (300, 12, 5000), (8, 8, 300)]:
+        t = a + b * n + c * dec + d * ctx
+        out.append(dict(kind="planned", seconds=t * (1 + noise * rng.standard_normal()), steps=1,
+                        num_batched_tokens=n, num_decode_seqs=dec, sum_context_tokens=ctx))
+    for batch, ctx in [(1, 70), (1, 600), (4, 2070), (4, 300), (16, 1100), (32, 560), (32, 900), (64, 20000),
+                       (8, 4000)]:
+        t = e + f * batch + g * ctx
+        out.append(dict(kind="fused", seconds=t * (1 + noise * rng.standard_normal()), steps=8,
+                        num_batched_tokens=batch, num_decode_seqs=batch, sum_context_tokens=ctx))
+    return out
+
+
+def test_calibration_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(1)
+    planned, fused = (0.004, 5e-4, 2e-4, 1e-6), (0.003, 3e-4, 8e-7)
+    a, f, keep = sim.fit_samples(_synthetic_samples(planned, fused, rng))
+    assert np.allclose(a, planned, rtol=1e-6) and np.allclose(f, fused, rtol=1e-6) and all(keep)
+    # A step that another process stalled 10x is dropped, and the rest still give the coefficients.
+    samples = _synthetic_samples(planned, fused, rng)
+    samples[1]["seconds"] *= 10
+    samples[-2]["seconds"] *= 10
+    a, f, keep = sim.fit_samples(samples)
+    assert not keep[1] and not keep[-2] and sum(keep) == len(samples) - 2
+    assert np.allclose(a, planned, rtol=1e-6) and np.allclose(f, fused, rtol=1e-6)
+    # Noisy timings (5%): close to the truth where the coefficient carries the cost.
+    a, f, _ = sim.fit_samples(_synthetic_samples(planned, fused, rng, noise=0.05))
+    assert a[1] == pytest.approx(planned[1], rel=0.15) and f[1] == pytest.approx(fused[1], rel=0.25)
+
+
+def test_fused_decode_steps_cost_their_own_coefficients():
+    # 2 requests, prompt 10, 20 new tokens, 8 steps per fused call: the prefill step (the first token), then
+    # fused calls of 8, 8 and 3 steps; a planned step costs 1 s, a fused one 0.1 s.
+    trace = [sim.TraceRequest(0.0, 10, 20), sim.TraceRequest(0.0, 10, 20)]
+    cost = sim.CostModel(1.0, 0, 0, 0, 0.1, 0, 0)
+    res = sim.simulate(trace, SMOL, cfg(), cost)
+    assert res.num_steps == 20 and res.makespan == pytest.approx(1 + 19 * 0.1)
+    # One step per call: every step is planned; without fused coefficients a fused step costs a planned one.
+    assert sim.simulate(trace, SMOL, cfg(num_scheduler_steps=1), cost).makespan == pytest.approx(20.0)
+    assert sim.simulate(trace, SMOL, cfg(), sim.CostModel(1.0, 0, 0, 0)).makespan == pytest.approx(20.0)
+    # A request arriving during a fused call waits for its end, as in the engine (it would not be admitted).
+    late = trace + [sim.TraceRequest(1.05, 4, 2)]
+    r = sim.simulate(late, SMOL, cfg(), cost).requests[2]
+    assert r.first_token == pytest.approx(1.0 + 8 * 0.1 + 1.0)
 
 
 def test_fit_on_a_tiny_model(tmp_path):
@@ -178,6 +230,44 @@ def test_cli_trace_and_plot(tmp_path, capsys):
     (["--trace", "/nonexistent/trace.jsonl"], "trace"),
 ])
 def test_cli_bad_values_are_one_line(capsys, argv, word):
+    rc = main(["simulate", "--model", "smollm2-135m"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and word in err and "Traceback" not in err
+
+
+def test_cli_bench_prints_both_figures_and_the_error(tmp_path, capsys):
+    shape = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(shape))
+    argv = ["simulate", "--model", str(model), "--synthetic", "6", "--seed", "3", "--kv-cache-memory", "8MiB",
+            "--bench", "--no-compare", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    measured = re.search(r"measured\s+([\d.]+) gen tok/s", out)
+    simulated = re.search(r"simulated\s+([\d.]+) gen tok/s", out)
+    error = re.search(r"error\s+([+-][\d.]+)%", out)
+    assert measured and simulated and error, out
+    m, s_, e = float(measured.group(1)), float(simulated.group(1)), float(error.group(1))
+    assert m > 0 and s_ > 0 and e == pytest.approx((s_ / m - 1) * 100, abs=0.1 + 0.002 * abs(e))
+    blocks = re.search(r"KV blocks\s+(\d+) engine, (\d+) simulated \(same\)", out)
+    assert blocks and blocks.group(1) == blocks.group(2), out
+    assert main(argv + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    b = r["bench"]
+    assert b["requests"] == 6 and b["workload_seed"] == 3 and b["engine_blocks"] == b["simulated_blocks"]
+    assert b["error"] == pytest.approx(b["predicted_tok_s"] / b["measured_tok_s"] - 1)
+    assert r["cost_model"]["source"].startswith("fitted") and r["fit_samples"]
+    # The simulated workload is the measured one: the same requests, so the same generated token count.
+    assert r["results"]["paged"]["generated_tokens"] == b["generated_tokens"]
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--bench", "--trace", "x.jsonl"], "trace"),
+    (["--bench", "--tp", "3"], "tensor_parallel_size"),
+    (["--fit", "--cost-model", "0.01"], "cost_model"),
+])
+def test_cli_bench_and_fit_conflicts_are_one_line(capsys, argv, word):
     rc = main(["simulate", "--model", "smollm2-135m"] + argv)
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and word in err and "Traceback" not in err

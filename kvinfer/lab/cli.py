@@ -7,6 +7,7 @@ import sys
 
 from kvinfer.cli import int_at_least as _positive_int
 from kvinfer.cli import THREADS_MAX, float_above, seed_int
+from kvinfer.config import MAX_SCHEDULER_STEPS
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,7 +89,10 @@ def register(sub) -> None:
         description="Run the engine's Scheduler with its PagedKVManager (and, for comparison, a contiguous "
                     "max-length reservation of the same memory) over a request trace without model weights. "
                     "Time advances by a step-time cost model: a + b*batched_tokens + c*decode_seqs + "
-                    "d*context_tokens, fitted on real engine steps. Deterministic for a trace and seed.")
+                    "d*context_tokens per planned step, e + f*decode_seqs + g*context_tokens per fused decode "
+                    "step, fitted on real engine steps (--fit: a few seconds on this machine). Deterministic for "
+                    "a trace and seed. --bench checks the prediction against bench throughput's measurement of "
+                    "the same workload.")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--trace", default=None,
                      help='JSONL file, one request a line: {"arrival": s, "prompt_tokens": n, "output_tokens": m}')
@@ -111,12 +115,21 @@ def register(sub) -> None:
     add_scheduler_args(s)
     s.add_argument("--no-chunked-prefill", action="store_true",
                    help="schedule a prompt only when all of it fits in one step's token budget")
-    s.add_argument("--cost-model", default="fitted",
-                   help="'fitted' (stored coefficients, scaled to --model's shapes) or a,b,c,d in seconds")
+    s.add_argument("--num-scheduler-steps", type=_positive_int("--num-scheduler-steps", 1, MAX_SCHEDULER_STEPS),
+                   default=8, help="the engine's fused decode steps per call (default 8, as the engine's; 1: none)")
+    s.add_argument("--cost-model", default=None,
+                   help="'fitted' (stored coefficients, scaled to --model's shapes; the default) or a,b,c,d[,e,f,g] "
+                        "in seconds (e, f, g: a fused decode step)")
     s.add_argument("--fit", action="store_true",
-                   help="re-measure the cost model on real engine steps with --model (built-in by default) first")
+                   help="calibrate the cost model first on a few seconds of real engine steps with --model "
+                        "(built-in by default) on this machine")
+    s.add_argument("--bench", action="store_true",
+                   help="also run bench throughput's measurement of the same workload (--synthetic N, --seed) with "
+                        "the same engine settings, and print the predicted throughput against it with the error "
+                        "and both KV block counts; calibrates the cost model on that engine first unless "
+                        "--cost-model is given")
     s.add_argument("--threads", type=_positive_int("--threads", 1, THREADS_MAX), default=None,
-                   help="torch threads for --fit")
+                   help="torch threads for --fit and --bench")
     s.add_argument("--fit-clock", default="wall", choices=("wall", "cpu"),
                    help="--fit times steps by wall clock (default) or by this process's CPU time, which other "
                         "processes cannot inflate (use with --threads 1 on a shared machine)")
@@ -205,57 +218,79 @@ def _tp_cost(sim, cost, mc, args):
 
 
 def cmd_simulate(args) -> int:
+    from kvinfer.config import PRESETS, EngineConfig
+    from kvinfer.errors import ValidationError
     from kvinfer.lab import simulate as sim
     from kvinfer.lab.plan import resolve_model_config
-    from kvinfer.utils import parse_size
-
-    from kvinfer.utils import output_dir
+    from kvinfer.utils import output_dir, parse_size
 
     memory = parse_size(args.kv_cache_memory, "kv_cache_memory")
+    if args.fit and args.cost_model is not None:
+        raise ValidationError("cost_model", args.cost_model, "--fit measures the cost model: give one or the other")
+    if args.bench and args.trace:
+        raise ValidationError("trace", args.trace, "--bench measures bench throughput's workload: use --synthetic N")
+    if args.bench and args.tp > 1:
+        raise ValidationError("tensor_parallel_size", args.tp, "--bench measures one process: leave it at 1")
+    cost = sim.parse_cost_model(args.cost_model) if args.cost_model is not None else None
     if args.out:
-        output_dir(args.out)  # before the simulation (and any --fit) runs
+        output_dir(args.out)  # before the simulation (and any measurement) runs
     mc, label = resolve_model_config(args.model)
     if args.dtype == "auto":
         from kvinfer.loaders.model_loader import resolve_device, resolve_dtype
 
         args.dtype = str(resolve_dtype("auto", resolve_device("auto"))).replace("torch.", "")
-    if args.fit:
-        from kvinfer.config import PRESETS, EngineConfig
-
-        dummy = args.model is not None and (args.model in PRESETS or args.model.endswith(".json"))
-        ecfg = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy" if dummy else "auto",
-                            num_threads=args.threads)
-        cost, samples = sim.fit_cost_model(ecfg, progress=None if args.json else _progress, clock=args.fit_clock)
-        if not args.json:
-            _progress(f"fitted cost model: --cost-model {cost.a:.6g},{cost.b:.6g},{cost.c:.6g},{cost.d:.6g} "
-                      f"({cost.source})")
-    else:
-        cost = sim.parse_cost_model(args.cost_model).scaled_to(mc)
-        samples = None
+    dummy = args.model is not None and (args.model in PRESETS or args.model.endswith(".json"))
+    # The engine these settings make: what --fit calibrates and --bench measures.
+    ecfg = EngineConfig(model=args.model, dtype=args.dtype, load_format="dummy" if dummy else "auto",
+                        kv_cache="paged", kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                        kv_cache_memory=memory, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        enable_chunked_prefill=not args.no_chunked_prefill,
+                        num_scheduler_steps=args.num_scheduler_steps, num_threads=args.threads)
+    progress = None if args.json else _progress
+    samples = bench = None
+    max_len = args.max_model_len or mc.max_position_embeddings
+    n = args.synthetic or 64
+    if args.bench:
+        bench, cost, samples, max_len = _measure_bench(sim, ecfg, cost, n, args, progress)
+    elif args.fit:
+        cost, samples = sim.fit_cost_model(ecfg, progress=progress, clock=args.fit_clock)
+    if cost is None:
+        cost = sim.FITTED.scaled_to(mc)
+    elif samples is not None and not args.json:
+        _progress(f"fitted cost model: --cost-model {','.join(f'{c:.6g}' for c in cost.coefficients)} "
+                  f"({cost.source})")
     if args.tp > 1:
         cost = _tp_cost(sim, cost, mc, args)
     if args.trace:
         trace = sim.load_trace(args.trace)
         trace_label = f"{args.trace} ({len(trace)} requests, seed {args.seed})"
     else:
-        n = args.synthetic or 64
         trace = sim.synthetic_trace(n, args.seed, mc.vocab_size)
         trace_label = f"synthetic: {n} requests, prompt 16-512, output 16-256, all at t=0, seed {args.seed}"
-    max_len = args.max_model_len or mc.max_position_embeddings
     # the engine's KV element type, so that the pool has the engine's block count
-    args.kv_cache_dtype = sim.engine_kv_cache_dtype(args.model, args.dtype, args.kv_cache_dtype)
-    cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+    kv_dtype = sim.engine_kv_cache_dtype(args.model, args.dtype, args.kv_cache_dtype)
+    cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                         block_size=args.block_size, max_model_len=max_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed, tp=args.tp)
+                        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed, tp=args.tp,
+                        num_scheduler_steps=args.num_scheduler_steps)
     runs = sim.run_simulation(trace, mc, cfg, cost, compare_contiguous=not args.no_compare)
-    report = dict(model=label, dtype=args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+    report = dict(model=label, dtype=args.dtype if kv_dtype == "auto" else kv_dtype,
                   kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,
-                  cost_model=dict(a=cost.a, b=cost.b, c=cost.c, d=cost.d, source=cost.source),
+                  cost_model=dict(zip("abcdefg", (getattr(cost, k, 0.0) for k in "abcdefg")), source=cost.source),
                   results={k: sim.summarize(r) for k, r in runs.items()})
     if samples is not None:
         report["fit_samples"] = samples
+    if bench is not None:
+        paged = report["results"]["paged"]
+        predicted = paged["throughput_tok_s"]
+        bench.update(predicted_tok_s=predicted, simulated_blocks=runs["paged"].num_units,
+                     simulated_preemptions=paged["preemptions"],
+                     error=(predicted - bench["measured_tok_s"]) / bench["measured_tok_s"] if predicted else None)
+        report["bench"] = bench
     if args.out:
         import csv
 
@@ -275,6 +310,40 @@ def cmd_simulate(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(sim.format_summary(report))
+        if bench is not None:
+            print(sim.format_bench(bench))
         if args.out:
             print(f"Files: {report['files']['csv']}, {report['files']['plot']}")
     return 0
+
+
+def _measure_bench(sim, ecfg, cost, num_requests: int, args, progress):
+    """--bench: load the engine, calibrate the cost model on it (unless one is given), then bench throughput's
+    measurement of the workload, in that order and in this process, so that both see the same machine."""
+    import time
+
+    import torch
+
+    from kvinfer.bench import machine_line
+    from kvinfer.bench.cli import run_throughput_workload
+    from kvinfer.engine.llm import LLM
+
+    llm = LLM(config=ecfg)
+    try:
+        eng = llm.engine
+        samples = None
+        t0 = time.perf_counter()
+        if cost is None:
+            cost, samples = sim.calibrate(eng, progress, clock=args.fit_clock)
+        calibration_s = time.perf_counter() - t0
+        if progress:
+            progress(f"bench throughput: {num_requests} requests, workload seed {args.seed}")
+        work, outs, secs = run_throughput_workload(llm, num_requests, args.seed)
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        bench = dict(requests=len(work), workload_seed=args.seed, seconds=secs, generated_tokens=gen,
+                     measured_tok_s=gen / secs, engine_blocks=eng.kv_manager.num_units,
+                     engine_preemptions=eng.scheduler.num_preemptions, calibration_s=calibration_s,
+                     threads=torch.get_num_threads(), machine=machine_line())
+        return bench, cost, samples, eng.max_model_len
+    finally:
+        llm.close()

@@ -26,12 +26,18 @@ class SimulationError(KvinferError):
 # ---- the step-time cost model -------------------------------------------------------------------
 @dataclass(frozen=True)
 class CostModel:
-    """step_time = a + b*num_batched_tokens + c*num_decode_seqs + d*sum_context_tokens (seconds)."""
+    """Seconds of one engine step. A step the scheduler plans (prefill chunks, mixed, lone decode steps):
+    a + b*num_batched_tokens + c*num_decode_seqs + d*sum_context_tokens. A step of a fused multi-step decode call
+    (every running request decoding, none waiting: the engine's --num-scheduler-steps path): e + f*num_decode_seqs +
+    g*sum_context_tokens; with e, f and g all 0 such a step is charged as a planned one."""
 
     a: float
     b: float
     c: float
     d: float
+    e: float = 0.0
+    f: float = 0.0
+    g: float = 0.0
     source: str = "given"
     # Shapes of the model the coefficients were measured on, to scale them to other shapes (0: do not scale).
     fitted_parameters: int = 0
@@ -42,16 +48,22 @@ class CostModel:
         decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.start > 0)
         return 1.0, out.num_batched_tokens, decode, sum(s.end for s in out.scheduled)
 
-    def step_time(self, out: SchedulerOutput) -> float:
+    @property
+    def has_fused(self) -> bool:
+        return bool(self.e or self.f or self.g)
+
+    def step_time(self, out: SchedulerOutput, fused: bool = False) -> float:
         one, n, dec, ctx = self.features(out)
+        if fused and self.has_fused:
+            return self.e * one + self.f * n + self.g * ctx
         return self.a * one + self.b * n + self.c * dec + self.d * ctx
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return self.a, self.b, self.c, self.d
+    def coefficients(self) -> tuple[float, ...]:
+        return self.a, self.b, self.c, self.d, self.e, self.f, self.g
 
     def scaled_to(self, cfg: ModelConfig) -> "CostModel":
-        """Per-token work (b) scales with parameters, attention work (d) with layers x heads x head_dim."""
+        """Per-token work (b, f) scales with parameters, attention work (d, g) with layers x heads x head_dim."""
         if not self.fitted_parameters:
             return self
         params = cfg.num_parameters()
@@ -59,8 +71,9 @@ class CostModel:
         if params == self.fitted_parameters and width == self.fitted_attention_width:
             return self
         rp, rw = params / self.fitted_parameters, width / self.fitted_attention_width
-        return replace(self, b=self.b * rp, d=self.d * rw, fitted_parameters=0, fitted_attention_width=0,
-                       source=f"{self.source}; b scaled x{rp:.2f} (parameters), d x{rw:.2f} (attention width) "
+        return replace(self, b=self.b * rp, d=self.d * rw, f=self.f * rp, g=self.g * rw, fitted_parameters=0,
+                       fitted_attention_width=0,
+                       source=f"{self.source}; b, f scaled x{rp:.2f} (parameters), d, g x{rw:.2f} (attention width) "
                               f"to this model's shapes")
 
 
@@ -137,25 +150,27 @@ class TPCost:
         nbytes = (moved * n * c.num_layers + rows * c.vocab_size * share) * self.dtype_bytes
         return calls * self.latency_s + nbytes / self.bandwidth
 
-    def step_time(self, out: SchedulerOutput) -> float:
+    def step_time(self, out: SchedulerOutput, fused: bool = False) -> float:
+        """The engine under tensor parallelism takes no fused multi-step decode path: every step is planned."""
         one, n, dec, ctx = CostModel.features(out)
         return self.a * one + self.b * n + self.c * dec + self.d * ctx + self.comm_time(out)
 
 
 def parse_cost_model(text: str) -> CostModel:
-    """'fitted' or 'a,b,c,d' (seconds; missing trailing coefficients are 0)."""
+    """'fitted' or 'a,b,c,d[,e,f,g]' (seconds; missing trailing coefficients are 0)."""
     if text == "fitted":
         return FITTED
+    expected = "expected 'fitted' or up to seven numbers a,b,c,d,e,f,g"
     parts = [p.strip() for p in text.split(",")]
     try:
         vals = [float(p) for p in parts]
     except ValueError:
-        raise ValidationError("cost_model", text, "expected 'fitted' or up to four numbers a,b,c,d") from None
-    if not 1 <= len(vals) <= 4 or any(not math.isfinite(v) or v < 0 for v in vals):
-        raise ValidationError("cost_model", text, "expected 'fitted' or up to four numbers a,b,c,d, each >= 0")
-    if not any(vals):
-        raise ValidationError("cost_model", text, "at least one coefficient must be > 0 (time must advance)")
-    vals += [0.0] * (4 - len(vals))
+        raise ValidationError("cost_model", text, expected) from None
+    if not 1 <= len(vals) <= 7 or any(not math.isfinite(v) or v < 0 for v in vals):
+        raise ValidationError("cost_model", text, f"{expected}, each >= 0")
+    if not any(vals[:4]):
+        raise ValidationError("cost_model", text, "at least one of a, b, c, d must be > 0 (time must advance)")
+    vals += [0.0] * (7 - len(vals))
     return CostModel(*vals, source=f"given: {text}")
 
 
@@ -191,108 +206,157 @@ def _cpu_name() -> str:
     return ""
 
 
-def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = None,
-                   clock: str = "wall") -> tuple[CostModel, list[dict]]:
-    """Time real engine steps (prefills, decode batches of several sizes and contexts) and fit the cost model.
+# (requests, prompt tokens, new tokens) of the calibration runs: prefill steps like the throughput workload's (up
+# to max_num_batched_tokens, one to many prompts each), then decode batches of 1 to 32 at short and long contexts;
+# the first PLANNED_DECODES decode steps of each run go through the scheduler, the rest through fused calls.
+CALIBRATION = ((1, 64, 17), (4, 512, 17), (32, 16, 17), (16, 64, 17))
+PLANNED_DECODES = 3
+
+
+def fit_samples(samples: list[dict]) -> tuple[list[float], list[float], list[bool]]:
+    """The planned-step coefficients (a, b, c, d) and the fused-step ones (e, f, g) that fit timed steps best in
+    relative error (a 20 ms decode step counts as much as a 1 s prefill), every coefficient >= 0; steps that
+    another process stalled (far off the others' fit) are dropped, worst first, up to a quarter of them. Each sample:
+    kind ("planned" or "fused"), seconds (one step's), num_batched_tokens, num_decode_seqs, sum_context_tokens."""
+    import numpy as np
+
+    keep = [True] * len(samples)
+    coefs = []
+    for kind, cols in (("planned", ("num_batched_tokens", "num_decode_seqs", "sum_context_tokens")),
+                       ("fused", ("num_decode_seqs", "sum_context_tokens"))):
+        idx = [i for i, s in enumerate(samples) if s["kind"] == kind]
+        if not idx:
+            coefs.append([0.0] * (1 + len(cols)))
+            continue
+        x = np.array([[1.0] + [float(samples[i][c]) for c in cols] for i in idx])
+        y = np.array([float(samples[i]["seconds"]) for i in idx])
+        ok = np.ones(len(idx), dtype=bool)
+        coef = _nonneg_lstsq(x, y, 1.0 / y)
+        # Drop the worst step while it is far off the others' fit (a quarter of the steps at most), refitting each time.
+        while ok.sum() > max(len(cols) + 2, 3 * len(idx) // 4):
+            rel = np.abs(x @ coef - y) / y
+            worst = int(np.argmax(np.where(ok, rel, -1.0)))
+            if rel[worst] <= max(3 * float(np.median(rel[ok])), 0.05):
+                break
+            ok[worst] = False
+            coef = _nonneg_lstsq(x[ok], y[ok], 1.0 / y[ok])
+        for i, k in zip(idx, ok):
+            keep[i] = bool(k)
+        coefs.append([float(c) for c in coef])
+    return coefs[0], coefs[1], keep
+
+
+def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
+              plan: Sequence[tuple[int, int, int]] = CALIBRATION) -> tuple[CostModel, list[dict]]:
+    """Time a few seconds of the engine's own steps (`plan`'s runs, clipped to its limits) and fit the cost model.
 
     clock "wall" times what a user waits for; "cpu" counts this process's CPU time, which other processes on a
     shared machine cannot inflate (use it with one torch thread, where CPU time is the uncontended wall time).
-    """
+    Seeded random prompts, greedy, ignore_eos; with prefix caching on they share no block with one another or
+    with the throughput workload, so every step computes what it would compute cold."""
     import datetime
     import os
     import platform
     import time
 
-    import numpy as np
     import torch
-
-    from kvinfer.engine.llm_engine import LLMEngine
 
     if clock not in ("wall", "cpu"):
         raise ValidationError("fit_clock", clock, "must be wall or cpu")
     timer = time.perf_counter if clock == "wall" else time.process_time
-    cfg = engine_config.replace(kv_cache="paged", enable_prefix_caching=False, max_num_seqs=64,
-                                max_num_batched_tokens=max(engine_config.max_num_batched_tokens, 1024))
-    engine = LLMEngine(cfg)
+    cfg = engine.config
     vocab = engine.model_config.vocab_size
-    rng = random.Random(0)
+    rng = random.Random(0x5eed)
     captured: list[SchedulerOutput] = []
-    orig = engine.scheduler.schedule
+    sched = engine.scheduler
+    orig = sched.schedule
 
     def schedule():
         out = orig()
         captured.append(out)
         return out
 
-    engine.scheduler.schedule = schedule
     samples: list[dict] = []
 
-    def add(prompt: int, out_tokens: int) -> None:
-        ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(prompt)]
-        engine.add_request(None, ids, SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
-
-    def run(batch: int, prompt: int, out_tokens: int, record: bool = True, arrivals: int = 0,
-            arrival_prompt: int = 0) -> None:
+    def run(batch: int, prompt: int, out_tokens: int, record: bool = True) -> None:
+        batch = min(batch, cfg.max_num_seqs)
+        prompt = min(prompt, engine.max_model_len - out_tokens)
         for _ in range(batch):
-            add(prompt, out_tokens)
-        step = 0
+            ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(prompt)]
+            engine.add_request(None, ids, SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+        planned_decodes = 0
         while engine.has_unfinished_requests():
-            if step and step <= arrivals:  # a new prompt joins running decodes: a mixed step
-                add(arrival_prompt, out_tokens)
-            step += 1
+            decoding = not sched.waiting and all(r.num_output_tokens > 0 for r in sched.running)
+            plain = decoding and planned_decodes < PLANNED_DECODES
+            if plain:  # through the scheduler: the step the engine takes when a call cannot be fused
+                engine._fused_steps = lambda most: 0
+                planned_decodes += 1
+            batch_now = len(sched.running)
+            ctx_now = sum(r.num_tokens for r in sched.running)
+            steps0 = engine.stats["steps"]
             captured.clear()
             t0 = timer()
             engine.step()
             dt = timer() - t0
-            if record and captured and not captured[0].is_empty:
-                one, n, dec, ctx = CostModel.features(captured[0])
-                samples.append(dict(seconds=dt, num_batched_tokens=n, num_decode_seqs=dec, sum_context_tokens=ctx))
+            if plain:
+                del engine._fused_steps
+            steps = engine.stats["steps"] - steps0
+            if not record or steps < 1:
+                continue
+            if captured:
+                if captured[0].is_empty:
+                    continue
+                _, n, dec, ctx = CostModel.features(captured[0])
+                samples.append(dict(kind="planned", seconds=dt, steps=1, num_batched_tokens=n, num_decode_seqs=dec,
+                                    sum_context_tokens=ctx))
+            else:  # a fused call of `steps` decode steps: its mean step
+                samples.append(dict(kind="fused", seconds=dt / steps, steps=steps, num_batched_tokens=batch_now,
+                                    num_decode_seqs=batch_now,
+                                    sum_context_tokens=ctx_now + batch_now * (steps - 1) / 2))
 
-    run(2, 32, 3, record=False)  # warm-up
-    plan = [(1, p, 1) for p in (16, 64, 256, 512)]
-    plan += [(b, ctx, 6) for b, ctx in ((1, 64), (1, 1024), (4, 256), (8, 128), (8, 512), (16, 128), (32, 64),
-                                         (32, 128))]
-    for b, p, o in plan:
-        if p + o > engine.max_model_len:
-            continue
-        if progress:
-            progress(f"fit: {b} request(s), prompt {p}, {o} new token(s)")
-        run(b, p, o)
-    # Steps that mix one new prompt with running decodes, as a busy server's steps are (in the bench
-    # throughput workload they take most of the time): decode rows then ride the prefill's matmuls.
-    for b, p, arr in ((16, 128, 256), (32, 256, 512), (48, 64, 128)):
-        if max(p, arr) + 12 > engine.max_model_len:
-            continue
-        if progress:
-            progress(f"fit: {b} decoding request(s) joined by a {arr}-token prompt each step")
-        run(b, p, 12, arrivals=6, arrival_prompt=arr)
-    x = np.array([[1.0, s["num_batched_tokens"], s["num_decode_seqs"], s["sum_context_tokens"]] for s in samples])
-    y = np.array([s["seconds"] for s in samples])
-    coef = _nonneg_lstsq(x, y, 1.0 / y)  # relative error: a 20 ms decode step counts as much as a 1 s prefill
-    # A step that another process stalled is not the engine's cost: drop far outliers once and refit.
-    rel = np.abs(x @ coef - y) / y
-    keep = rel <= max(3 * float(np.median(rel)), 0.05)
-    if keep.sum() >= 8 and not keep.all():
-        coef = _nonneg_lstsq(x[keep], y[keep], 1.0 / y[keep])
+    sched.schedule = schedule
+    try:
+        run(2, 32, 12, record=False)  # warm-up: first calls of each kernel, the fused path
+        for b, p, o in plan:
+            if progress:
+                progress(f"calibrating: {b} request(s) of {p} prompt tokens, {o} new tokens each")
+            run(b, p, o)
+    finally:
+        del sched.schedule
+    planned, fused, keep = fit_samples(samples)
     for s, k in zip(samples, keep):
-        s["outlier"] = not bool(k)
+        s["outlier"] = not k
+        s["predicted"] = (planned[0] + planned[1] * s["num_batched_tokens"] + planned[2] * s["num_decode_seqs"]
+                          + planned[3] * s["sum_context_tokens"]) if s["kind"] == "planned" else (
+                          fused[0] + fused[1] * s["num_decode_seqs"] + fused[2] * s["sum_context_tokens"])
     mc = engine.model_config
     src = engine.loaded.source
     name = src.path.name if src.path is not None else str(cfg.model)
     when = datetime.date.today().isoformat()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{_cpu_name() or platform.machine()}, {os.cpu_count()} CPUs, "
-               f"{torch.get_num_threads()} torch thread(s), "
-               f"load average {load:.1f}, {clock} clock")
-    model = CostModel(*[float(c) for c in coef],
+               f"{torch.get_num_threads()} torch thread(s), load average {load:.1f}, {clock} clock")
+    seconds = sum(s["seconds"] * s["steps"] for s in samples)
+    model = CostModel(*planned, *fused,
                       source=f"fitted {when} on {machine}, {name} {str(engine.loaded.dtype).replace('torch.', '')}, "
-                             f"{int(keep.sum())} of {len(samples)} steps",
+                             f"{sum(keep)} of {len(samples)} timed steps and calls ({seconds:.1f} s)",
                       fitted_parameters=mc.num_parameters(),
                       fitted_attention_width=mc.num_layers * mc.num_heads * mc.head_dim)
-    pred = x @ coef
-    for s, p in zip(samples, pred):
-        s["predicted"] = float(p)
     return model, samples
+
+
+def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = None,
+                   clock: str = "wall") -> tuple[CostModel, list[dict]]:
+    """Load the model with `engine_config` (paged, no prefix caching) and calibrate() the cost model on it."""
+    from kvinfer.engine.llm_engine import LLMEngine
+
+    if clock not in ("wall", "cpu"):
+        raise ValidationError("fit_clock", clock, "must be wall or cpu")
+    engine = LLMEngine(engine_config.replace(kv_cache="paged", enable_prefix_caching=False))
+    try:
+        return calibrate(engine, progress, clock)
+    finally:
+        engine.close()
 
 
 # ---- traces ----------------------------------------------------------------------------------------
@@ -362,6 +426,7 @@ class SimConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     tp: int = 1  # tensor parallel: kv_cache_memory is per rank, each rank holds its share of the KV heads
+    num_scheduler_steps: int = 8  # the engine's fused multi-step decode calls (TP 1 only; 1: none)
 
 
 @dataclass
@@ -400,6 +465,7 @@ class SimResult:
     kv_util_peak: float
     token_util_mean: float  # time-weighted tokens stored / capacity of what is held
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (time, kv use, running seqs)
+    num_units: int = 0  # blocks (paged) or slots (contiguous) in the pool
 
 
 def engine_kv_cache_dtype(model: Optional[str], dtype: str, kv_cache_dtype: str) -> str:
@@ -433,6 +499,32 @@ def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
     return m, f"{m.num_units} {m.unit_name}s of {m.unit_tokens} tokens"
 
 
+def _fused_call_steps(sched: Scheduler, manager, most: int, max_len: int) -> int:
+    """How many decode steps the engine would make in its next fused call (LLMEngine._fused_steps and
+    _step_fused's slot reservation): while no request waits and every running one decodes, up to `most`, no more than
+    any request still may make; 0 (a planned step) if that is under 2 or the pool cannot hold as many more tokens
+    for each."""
+    if most < 2 or sched.waiting or not sched.running:
+        return 0
+    n = most
+    for r in sched.running:
+        if r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.num_prompt_tokens:
+            return 0
+        n = min(n, r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens)
+    if n < 2:
+        return 0
+    reqs = list(sched.running)
+    ok = True
+    for i, r in enumerate(reqs):
+        if not manager.allocate_slots(r, n):
+            ok = False
+            reqs = reqs[:i]
+            break
+    for r in reqs:  # the scheduler allocates step by step; this only asked whether the pool holds them
+        manager.trim(r, r.num_computed_tokens)
+    return n if ok else 0
+
+
 def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cost: CostModel) -> SimResult:
     """Run the engine's Scheduler over the trace; time advances by the cost model, never by the wall clock."""
     max_len = cfg.max_model_len or mc.max_position_embeddings
@@ -452,8 +544,11 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
     util_peak = 0.0
     total = manager.num_units
 
+    fused_left = 0  # steps left in the current fused call: arrivals wait for its end, as in the engine
+    most = cfg.num_scheduler_steps if cfg.tp == 1 else 1
+
     while nxt < len(order) or sched.num_unfinished:
-        while nxt < len(order) and trace[order[nxt]].arrival <= now:
+        while not fused_left and nxt < len(order) and trace[order[nxt]].arrival <= now:
             i = order[nxt]
             t = trace[i]
             ids = list(t.prompt_token_ids) if t.prompt_token_ids else [rng.randrange(low, vocab)
@@ -471,6 +566,8 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
             if nxt < len(order):
                 now = max(now, trace[order[nxt]].arrival)
             continue
+        if not fused_left:
+            fused_left = _fused_call_steps(sched, manager, most, max_len)
         out = sched.schedule()
         if out.is_empty:
             if nxt < len(order) and not sched.running:
@@ -479,7 +576,8 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
             raise SimulationError(
                 f"the scheduler can make no progress at t={now:.3f} s with {len(sched.waiting)} waiting and "
                 f"{len(sched.running)} running requests (a scheduler bug: please report the trace)")
-        dt = cost.step_time(out)
+        dt = cost.step_time(out, fused=fused_left > 0)
+        fused_left = max(0, fused_left - 1)
         used = total - manager.num_free_units
         in_step = {s.request.request_id for s in out.scheduled}
         stored = sum(s.end for s in out.scheduled) + sum(
@@ -513,7 +611,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
     makespan = (max(r.finish for r in done) - start) if done else 0.0
     return SimResult(cfg.kv_cache, results, steps, makespan, sched.num_preemptions, capacity,
                      manager.token_capacity, util_area / busy if busy else 0.0, util_peak,
-                     tok_area / busy if busy else 0.0, timeline)
+                     tok_area / busy if busy else 0.0, timeline, total)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -562,6 +660,9 @@ def format_summary(report: dict) -> str:
         f"Trace        {report['trace']}",
         f"Cost model   step = {report['cost_model']['a']:.4g} + {report['cost_model']['b']:.4g}*tokens + "
         f"{report['cost_model']['c']:.4g}*decode_seqs + {report['cost_model']['d']:.4g}*context_tokens s",
+        *([f"             fused decode step = {report['cost_model']['e']:.4g} + {report['cost_model']['f']:.4g}*decode_seqs"
+           f" + {report['cost_model']['g']:.4g}*context_tokens s"]
+          if any(report["cost_model"].get(k) for k in "efg") else []),
         f"             ({report['cost_model']['source']})",
         "",
         f"{'':<28}" + "".join(f"{c + ' (same memory)' if c == 'contiguous' else c:>26}" for c in cols),
@@ -589,6 +690,26 @@ def format_summary(report: dict) -> str:
             more = f" and {len(r['rejected']) - 20} more" if len(r["rejected"]) > 20 else ""
             lines.append(f"{c}: requests that never fit: {idx}{more} — {r['rejected'][0]['reason']}")
     return "\n".join(lines)
+
+
+def format_bench(bench: dict) -> str:
+    """`simulate --bench`: the prediction against bench throughput's measurement of the same workload."""
+    err = bench["error"]
+    err_text = "n/a" if err is None else f"{err * 100:+.1f}%"
+    pred = bench["predicted_tok_s"]
+    same = "same" if bench["engine_blocks"] == bench["simulated_blocks"] else "DIFFERENT"
+    return "\n".join([
+        "",
+        f"Against bench throughput ({bench['requests']} requests, workload seed {bench['workload_seed']}, "
+        f"{bench['threads']} thread(s), measured in this run after {bench['calibration_s']:.1f} s of calibration)",
+        bench["machine"],
+        f"  measured   {bench['measured_tok_s']:8.1f} gen tok/s   ({bench['generated_tokens']} tokens in "
+        f"{bench['seconds']:.2f} s, {bench['engine_preemptions']} preemptions)",
+        f"  simulated  {'n/a' if pred is None else f'{pred:8.1f}'} gen tok/s   "
+        f"({bench['simulated_preemptions']} preemptions)",
+        f"  error      {err_text} (simulated / measured - 1)",
+        f"  KV blocks  {bench['engine_blocks']} engine, {bench['simulated_blocks']} simulated ({same})",
+    ])
 
 
 def write_plot(report: dict, timelines: dict[str, list], path: Path) -> Path:
