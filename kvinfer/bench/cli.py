@@ -354,9 +354,10 @@ def cmd_decode(args) -> int:
     return 0
 
 
-def run_throughput_workload(llm, num_requests: int, seed: int):
+def run_throughput_workload(llm, num_requests: int, seed: int, before=None):
     """`bench throughput`'s measurement (also `simulate --bench`'s): a warm-up request outside the workload, then
-    the seeded workload in one generate call. Returns (workload, outputs, wall seconds)."""
+    the seeded workload in one generate call (`before()` called just ahead of it). Returns (workload, outputs, wall
+    seconds)."""
     from kvinfer.bench.workload import throughput_workload
     from kvinfer.sampling_params import SamplingParams
 
@@ -369,6 +370,8 @@ def run_throughput_workload(llm, num_requests: int, seed: int):
     eng.stats.update(peak_blocks=0, util_stored=0, util_capacity=0)
     if eng.tp is not None:
         eng.tp.stats.reset()
+    if before is not None:
+        before()
     t0 = time.perf_counter()
     outs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=False)
     return work, outs, time.perf_counter() - t0

@@ -218,6 +218,8 @@ def _tp_cost(sim, cost, mc, args):
 
 
 def cmd_simulate(args) -> int:
+    from dataclasses import replace
+
     from kvinfer.config import PRESETS, EngineConfig
     from kvinfer.errors import ValidationError
     from kvinfer.lab import simulate as sim
@@ -287,9 +289,20 @@ def cmd_simulate(args) -> int:
     if bench is not None:
         paged = report["results"]["paged"]
         predicted = paged["throughput_tok_s"]
-        bench.update(predicted_tok_s=predicted, simulated_blocks=runs["paged"].num_units,
+        r = runs["paged"]
+        bench.update(predicted_tok_s=predicted, simulated_blocks=r.num_units,
                      simulated_preemptions=paged["preemptions"],
-                     error=(predicted - bench["measured_tok_s"]) / bench["measured_tok_s"] if predicted else None)
+                     error=(predicted - bench["measured_tok_s"]) / bench["measured_tok_s"] if predicted else None,
+                     simulated_planned_steps=r.num_steps - r.num_fused_steps,
+                     simulated_planned_s=r.makespan - r.fused_seconds, simulated_fused_steps=r.num_fused_steps,
+                     simulated_fused_s=r.fused_seconds)
+        # The same simulation on a cost model fitted to the measured run's own steps: what is left of the error
+        # when the machine's speed during the calibration is taken out (the model's form, not its coefficients).
+        own = bench.pop("own_cost_model")
+        own_tps = sim.summarize(sim.simulate(trace, mc, replace(cfg, kv_cache="paged"), own))["throughput_tok_s"]
+        bench.update(own_cost_model=dict(zip("abcdefg", own.coefficients), source=own.source),
+                     own_predicted_tok_s=own_tps,
+                     own_error=(own_tps - bench["measured_tok_s"]) / bench["measured_tok_s"] if own_tps else None)
         report["bench"] = bench
     if args.out:
         import csv
@@ -338,12 +351,17 @@ def _measure_bench(sim, ecfg, cost, num_requests: int, args, progress):
         calibration_s = time.perf_counter() - t0
         if progress:
             progress(f"bench throughput: {num_requests} requests, workload seed {args.seed}")
-        work, outs, secs = run_throughput_workload(llm, num_requests, args.seed)
+        with sim.StepRecorder(eng) as rec:  # the measured run's own steps, timed as the calibration's
+            work, outs, secs = run_throughput_workload(llm, num_requests, args.seed, before=rec.samples.clear)
         gen = sum(len(o.outputs[0].token_ids) for o in outs)
         bench = dict(requests=len(work), workload_seed=args.seed, seconds=secs, generated_tokens=gen,
                      measured_tok_s=gen / secs, engine_blocks=eng.kv_manager.num_units,
                      engine_preemptions=eng.scheduler.num_preemptions, calibration_s=calibration_s,
-                     threads=torch.get_num_threads(), machine=machine_line())
+                     threads=torch.get_num_threads(), machine=machine_line(),
+                     planned_steps=rec.steps("planned"), planned_s=rec.seconds("planned"),
+                     fused_steps=rec.steps("fused"), fused_s=rec.seconds("fused"),
+                     own_cost_model=sim.cost_model_from_samples(rec.samples, "fitted on the measured run's own steps",
+                                                                eng.model_config))
         return bench, cost, samples, eng.max_model_len
     finally:
         llm.close()

@@ -246,6 +246,76 @@ def fit_samples(samples: list[dict]) -> tuple[list[float], list[float], list[boo
     return coefs[0], coefs[1], keep
 
 
+class StepRecorder:
+    """While active, times every engine.step(): a planned step (one the scheduler plans) with its features, or a
+    fused multi-step decode call as its mean step, in the samples fit_samples() takes."""
+
+    def __init__(self, engine, timer: Optional[Callable[[], float]] = None):
+        import time
+
+        self.engine, self.timer = engine, timer or time.perf_counter
+        self.samples: list[dict] = []
+
+    def __enter__(self) -> "StepRecorder":
+        eng = self.engine
+        sched = eng.scheduler
+        orig_schedule, orig_step = sched.schedule, eng.step
+        captured: list[SchedulerOutput] = []
+
+        def schedule():
+            out = orig_schedule()
+            captured.append(out)
+            return out
+
+        def step():
+            batch = len(sched.running)
+            ctx = sum(r.num_tokens for r in sched.running)
+            steps0 = eng.stats["steps"]
+            captured.clear()
+            t0 = self.timer()
+            outs = orig_step()
+            dt = self.timer() - t0
+            steps = eng.stats["steps"] - steps0
+            if steps < 1 or (captured and captured[0].is_empty):
+                return outs
+            if captured:
+                _, n, dec, c = CostModel.features(captured[0])
+                self.samples.append(dict(kind="planned", seconds=dt, steps=1, num_batched_tokens=n,
+                                         num_decode_seqs=dec, sum_context_tokens=c))
+            else:  # a fused call of `steps` decode steps: its mean step
+                self.samples.append(dict(kind="fused", seconds=dt / steps, steps=steps, num_batched_tokens=batch,
+                                         num_decode_seqs=batch, sum_context_tokens=ctx + batch * (steps - 1) / 2))
+            return outs
+
+        sched.schedule, eng.step = schedule, step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.scheduler.schedule, self.engine.step
+
+    def seconds(self, kind: str) -> float:
+        return sum(s["seconds"] * s["steps"] for s in self.samples if s["kind"] == kind)
+
+    def steps(self, kind: str) -> int:
+        return sum(s["steps"] for s in self.samples if s["kind"] == kind)
+
+
+def cost_model_from_samples(samples: list[dict], source: str, mc: Optional[ModelConfig] = None) -> CostModel:
+    """fit_samples() as a CostModel (its shapes recorded from `mc` for scaled_to); marks each sample's `outlier`
+    and `predicted` seconds."""
+    planned, fused, keep = fit_samples(samples)
+    for s, k in zip(samples, keep):
+        s["outlier"] = not k
+        s["predicted"] = (planned[0] + planned[1] * s["num_batched_tokens"] + planned[2] * s["num_decode_seqs"]
+                          + planned[3] * s["sum_context_tokens"]) if s["kind"] == "planned" else (
+                          fused[0] + fused[1] * s["num_decode_seqs"] + fused[2] * s["sum_context_tokens"])
+    seconds = sum(s["seconds"] * s["steps"] for s in samples)
+    return CostModel(*planned, *fused, source=f"{source}, {sum(keep)} of {len(samples)} timed steps and calls "
+                                              f"({seconds:.1f} s)",
+                     fitted_parameters=mc.num_parameters() if mc else 0,
+                     fitted_attention_width=mc.num_layers * mc.num_heads * mc.head_dim if mc else 0)
+
+
 def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
               plan: Sequence[tuple[int, int, int]] = CALIBRATION) -> tuple[CostModel, list[dict]]:
     """Time a few seconds of the engine's own steps (`plan`'s runs, clipped to its limits) and fit the cost model.
@@ -263,22 +333,12 @@ def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: s
 
     if clock not in ("wall", "cpu"):
         raise ValidationError("fit_clock", clock, "must be wall or cpu")
-    timer = time.perf_counter if clock == "wall" else time.process_time
     cfg = engine.config
     vocab = engine.model_config.vocab_size
     rng = random.Random(0x5eed)
-    captured: list[SchedulerOutput] = []
     sched = engine.scheduler
-    orig = sched.schedule
 
-    def schedule():
-        out = orig()
-        captured.append(out)
-        return out
-
-    samples: list[dict] = []
-
-    def run(batch: int, prompt: int, out_tokens: int, record: bool = True) -> None:
+    def run(batch: int, prompt: int, out_tokens: int) -> None:
         batch = min(batch, cfg.max_num_seqs)
         prompt = min(prompt, engine.max_model_len - out_tokens)
         for _ in range(batch):
@@ -291,58 +351,27 @@ def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: s
             if plain:  # through the scheduler: the step the engine takes when a call cannot be fused
                 engine._fused_steps = lambda most: 0
                 planned_decodes += 1
-            batch_now = len(sched.running)
-            ctx_now = sum(r.num_tokens for r in sched.running)
-            steps0 = engine.stats["steps"]
-            captured.clear()
-            t0 = timer()
-            engine.step()
-            dt = timer() - t0
-            if plain:
-                del engine._fused_steps
-            steps = engine.stats["steps"] - steps0
-            if not record or steps < 1:
-                continue
-            if captured:
-                if captured[0].is_empty:
-                    continue
-                _, n, dec, ctx = CostModel.features(captured[0])
-                samples.append(dict(kind="planned", seconds=dt, steps=1, num_batched_tokens=n, num_decode_seqs=dec,
-                                    sum_context_tokens=ctx))
-            else:  # a fused call of `steps` decode steps: its mean step
-                samples.append(dict(kind="fused", seconds=dt / steps, steps=steps, num_batched_tokens=batch_now,
-                                    num_decode_seqs=batch_now,
-                                    sum_context_tokens=ctx_now + batch_now * (steps - 1) / 2))
+            try:
+                engine.step()
+            finally:
+                if plain:
+                    del engine._fused_steps
 
-    sched.schedule = schedule
-    try:
-        run(2, 32, 12, record=False)  # warm-up: first calls of each kernel, the fused path
+    run(2, 32, 12)  # warm-up: first calls of each kernel, the fused path
+    with StepRecorder(engine, time.perf_counter if clock == "wall" else time.process_time) as rec:
         for b, p, o in plan:
             if progress:
                 progress(f"calibrating: {b} request(s) of {p} prompt tokens, {o} new tokens each")
             run(b, p, o)
-    finally:
-        del sched.schedule
-    planned, fused, keep = fit_samples(samples)
-    for s, k in zip(samples, keep):
-        s["outlier"] = not k
-        s["predicted"] = (planned[0] + planned[1] * s["num_batched_tokens"] + planned[2] * s["num_decode_seqs"]
-                          + planned[3] * s["sum_context_tokens"]) if s["kind"] == "planned" else (
-                          fused[0] + fused[1] * s["num_decode_seqs"] + fused[2] * s["sum_context_tokens"])
-    mc = engine.model_config
     src = engine.loaded.source
     name = src.path.name if src.path is not None else str(cfg.model)
-    when = datetime.date.today().isoformat()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{_cpu_name() or platform.machine()}, {os.cpu_count()} CPUs, "
                f"{torch.get_num_threads()} torch thread(s), load average {load:.1f}, {clock} clock")
-    seconds = sum(s["seconds"] * s["steps"] for s in samples)
-    model = CostModel(*planned, *fused,
-                      source=f"fitted {when} on {machine}, {name} {str(engine.loaded.dtype).replace('torch.', '')}, "
-                             f"{sum(keep)} of {len(samples)} timed steps and calls ({seconds:.1f} s)",
-                      fitted_parameters=mc.num_parameters(),
-                      fitted_attention_width=mc.num_layers * mc.num_heads * mc.head_dim)
-    return model, samples
+    model = cost_model_from_samples(
+        rec.samples, f"fitted {datetime.date.today().isoformat()} on {machine}, {name} "
+                     f"{str(engine.loaded.dtype).replace('torch.', '')}", engine.model_config)
+    return model, rec.samples
 
 
 def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = None,
@@ -466,6 +495,8 @@ class SimResult:
     token_util_mean: float  # time-weighted tokens stored / capacity of what is held
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (time, kv use, running seqs)
     num_units: int = 0  # blocks (paged) or slots (contiguous) in the pool
+    fused_seconds: float = 0.0  # virtual time in steps of fused decode calls (the rest: planned steps)
+    num_fused_steps: int = 0
 
 
 def engine_kv_cache_dtype(model: Optional[str], dtype: str, kv_cache_dtype: str) -> str:
@@ -545,6 +576,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
     total = manager.num_units
 
     fused_left = 0  # steps left in the current fused call: arrivals wait for its end, as in the engine
+    fused_seconds, fused_steps = 0.0, 0
     most = cfg.num_scheduler_steps if cfg.tp == 1 else 1
 
     while nxt < len(order) or sched.num_unfinished:
@@ -577,7 +609,10 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
                 f"the scheduler can make no progress at t={now:.3f} s with {len(sched.waiting)} waiting and "
                 f"{len(sched.running)} running requests (a scheduler bug: please report the trace)")
         dt = cost.step_time(out, fused=fused_left > 0)
-        fused_left = max(0, fused_left - 1)
+        if fused_left:
+            fused_seconds += dt
+            fused_steps += 1
+            fused_left -= 1
         used = total - manager.num_free_units
         in_step = {s.request.request_id for s in out.scheduled}
         stored = sum(s.end for s in out.scheduled) + sum(
@@ -611,7 +646,7 @@ def simulate(trace: Sequence[TraceRequest], mc: ModelConfig, cfg: SimConfig, cos
     makespan = (max(r.finish for r in done) - start) if done else 0.0
     return SimResult(cfg.kv_cache, results, steps, makespan, sched.num_preemptions, capacity,
                      manager.token_capacity, util_area / busy if busy else 0.0, util_peak,
-                     tok_area / busy if busy else 0.0, timeline, total)
+                     tok_area / busy if busy else 0.0, timeline, total, fused_seconds, fused_steps)
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -697,6 +732,8 @@ def format_bench(bench: dict) -> str:
     err = bench["error"]
     err_text = "n/a" if err is None else f"{err * 100:+.1f}%"
     pred = bench["predicted_tok_s"]
+    own = bench.get("own_predicted_tok_s")
+    own_err = "n/a" if bench.get("own_error") is None else f"{bench['own_error'] * 100:+.1f}%"
     same = "same" if bench["engine_blocks"] == bench["simulated_blocks"] else "DIFFERENT"
     return "\n".join([
         "",
@@ -709,6 +746,13 @@ def format_bench(bench: dict) -> str:
         f"({bench['simulated_preemptions']} preemptions)",
         f"  error      {err_text} (simulated / measured - 1)",
         f"  KV blocks  {bench['engine_blocks']} engine, {bench['simulated_blocks']} simulated ({same})",
+        f"  planned steps  measured {bench['planned_steps']} in {bench['planned_s']:.2f} s, simulated "
+        f"{bench['simulated_planned_steps']} in {bench['simulated_planned_s']:.2f} s",
+        f"  fused steps    measured {bench['fused_steps']} in {bench['fused_s']:.2f} s, simulated "
+        f"{bench['simulated_fused_steps']} in {bench['simulated_fused_s']:.2f} s",
+        f"  with a cost model fitted on the measured run's own steps: simulated "
+        f"{'n/a' if own is None else f'{own:.1f}'} gen tok/s, error {own_err} (what the model's form leaves; the "
+        f"rest is the machine's speed moving between the calibration and the run)",
     ])
 
 
