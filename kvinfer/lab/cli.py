@@ -331,8 +331,9 @@ def cmd_simulate(args) -> int:
 
 
 def _measure_bench(sim, ecfg, cost, num_requests: int, args, progress):
-    """--bench: load the engine, calibrate the cost model on it (unless one is given), then bench throughput's
-    measurement of the workload, in that order and in this process, so that both see the same machine."""
+    """--bench: load the engine, calibrate the cost model on it (unless one is given), run bench throughput's
+    measurement of the workload, calibrate again and fit on both calibrations, all in this process, so that the
+    calibration and the run see the same machine."""
     import time
 
     import torch
@@ -353,6 +354,12 @@ def _measure_bench(sim, ecfg, cost, num_requests: int, args, progress):
             progress(f"bench throughput: {num_requests} requests, workload seed {args.seed}")
         with sim.StepRecorder(eng) as rec:  # the measured run's own steps, timed as the calibration's
             work, outs, secs = run_throughput_workload(llm, num_requests, args.seed, before=rec.samples.clear)
+        if samples is not None:  # calibrated again after the run, and fitted on both: the machine's speed
+            # moves on a shared machine, and this way the calibration sees it on either side of the run
+            t0 = time.perf_counter()
+            cost, after = sim.calibrate(eng, progress, clock=args.fit_clock, earlier=samples)
+            samples = samples + after
+            calibration_s += time.perf_counter() - t0
         gen = sum(len(o.outputs[0].token_ids) for o in outs)
         bench = dict(requests=len(work), workload_seed=args.seed, seconds=secs, generated_tokens=gen,
                      measured_tok_s=gen / secs, engine_blocks=eng.kv_manager.num_units,

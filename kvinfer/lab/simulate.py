@@ -206,10 +206,11 @@ def _cpu_name() -> str:
     return ""
 
 
-# (requests, prompt tokens, new tokens) of the calibration runs: prefill steps like the throughput workload's (up
-# to max_num_batched_tokens, one to many prompts each), then decode batches of 1 to 32 at short and long contexts;
+# (requests, shared prompt tokens, own prompt tokens, new tokens) of the calibration runs: prefill steps like the
+# throughput workload's (up to max_num_batched_tokens, one to many prompts each), then decode batches of 1 to 32 at
+# short and long contexts (the long one from a prefix the requests share, computed once, through the prefix cache);
 # the first PLANNED_DECODES decode steps of each run go through the scheduler, the rest through fused calls.
-CALIBRATION = ((1, 64, 17), (4, 512, 17), (32, 16, 17), (16, 64, 17))
+CALIBRATION = ((1, 0, 64, 17), (4, 0, 512, 17), (32, 0, 16, 17), (32, 512, 16, 17))
 PLANNED_DECODES = 3
 
 
@@ -317,13 +318,16 @@ def cost_model_from_samples(samples: list[dict], source: str, mc: Optional[Model
 
 
 def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
-              plan: Sequence[tuple[int, int, int]] = CALIBRATION) -> tuple[CostModel, list[dict]]:
+              plan: Sequence[tuple[int, int, int, int]] = CALIBRATION,
+              earlier: Sequence[dict] = ()) -> tuple[CostModel, list[dict]]:
     """Time a few seconds of the engine's own steps (`plan`'s runs, clipped to its limits) and fit the cost model.
 
     clock "wall" times what a user waits for; "cpu" counts this process's CPU time, which other processes on a
     shared machine cannot inflate (use it with one torch thread, where CPU time is the uncontended wall time).
-    Seeded random prompts, greedy, ignore_eos; with prefix caching on they share no block with one another or
-    with the throughput workload, so every step computes what it would compute cold."""
+    Seeded random prompts, greedy, ignore_eos: they share no block with the throughput workload or with one
+    another, except a prefix shared on purpose (without prefix caching it is computed for each request).
+    Returns the cost model, fitted on the timed steps and `earlier` ones (an earlier calibration's), and the timed
+    steps."""
     import datetime
     import os
     import platform
@@ -338,50 +342,65 @@ def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: s
     rng = random.Random(0x5eed)
     sched = engine.scheduler
 
-    def run(batch: int, prompt: int, out_tokens: int) -> None:
-        batch = min(batch, cfg.max_num_seqs)
-        prompt = min(prompt, engine.max_model_len - out_tokens)
+    def add(prefix: list[int], own: int, out_tokens: int) -> None:
+        ids = prefix + [rng.randrange(min(100, vocab - 1), vocab) for _ in range(own)]
+        engine.add_request(None, ids, SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+
+    def step(plain: bool) -> None:
+        if plain:  # through the scheduler: the step the engine takes when a call cannot be fused
+            engine._fused_steps = lambda most: 0
+        try:
+            engine.step()
+        finally:
+            if plain:
+                del engine._fused_steps
+
+    def run(batch: int, shared: int, own: int, out_tokens: int) -> None:
+        batch = min(batch, cfg.max_num_seqs, 32 if cfg.enable_prefix_caching or not shared else 4)
+        shared = min(shared, max(0, engine.max_model_len - out_tokens - own))
+        own = max(1, min(own, engine.max_model_len - out_tokens - shared))
+        prefix = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(shared)]
+        if shared and cfg.enable_prefix_caching and batch > 1:  # the prefix computed once, then shared
+            add(prefix, own, out_tokens)
+            while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+                step(False)
+            batch -= 1
         for _ in range(batch):
-            ids = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(prompt)]
-            engine.add_request(None, ids, SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+            add(prefix if cfg.enable_prefix_caching else
+                [rng.randrange(min(100, vocab - 1), vocab) for _ in range(shared)], own, out_tokens)
         planned_decodes = 0
         while engine.has_unfinished_requests():
-            decoding = not sched.waiting and all(r.num_output_tokens > 0 for r in sched.running)
-            plain = decoding and planned_decodes < PLANNED_DECODES
-            if plain:  # through the scheduler: the step the engine takes when a call cannot be fused
-                engine._fused_steps = lambda most: 0
-                planned_decodes += 1
-            try:
-                engine.step()
-            finally:
-                if plain:
-                    del engine._fused_steps
+            plain = (not sched.waiting and all(r.num_output_tokens > 0 for r in sched.running)
+                     and planned_decodes < PLANNED_DECODES)
+            planned_decodes += plain
+            step(plain)
 
-    run(2, 32, 12)  # warm-up: first calls of each kernel, the fused path
+    run(2, 0, 32, 12)  # warm-up: first calls of each kernel, the fused path
     with StepRecorder(engine, time.perf_counter if clock == "wall" else time.process_time) as rec:
-        for b, p, o in plan:
+        for b, shared, own, o in plan:
             if progress:
-                progress(f"calibrating: {b} request(s) of {p} prompt tokens, {o} new tokens each")
-            run(b, p, o)
+                what = f"{shared} shared + {own}" if shared else f"{own}"
+                progress(f"calibrating: {b} request(s) of {what} prompt tokens, {o} new tokens each")
+            run(b, shared, own, o)
     src = engine.loaded.source
     name = src.path.name if src.path is not None else str(cfg.model)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     machine = (f"{_cpu_name() or platform.machine()}, {os.cpu_count()} CPUs, "
                f"{torch.get_num_threads()} torch thread(s), load average {load:.1f}, {clock} clock")
     model = cost_model_from_samples(
-        rec.samples, f"fitted {datetime.date.today().isoformat()} on {machine}, {name} "
+        list(earlier) + rec.samples, f"fitted {datetime.date.today().isoformat()} on {machine}, {name} "
                      f"{str(engine.loaded.dtype).replace('torch.', '')}", engine.model_config)
     return model, rec.samples
 
 
 def fit_cost_model(engine_config, progress: Optional[Callable[[str], None]] = None,
                    clock: str = "wall") -> tuple[CostModel, list[dict]]:
-    """Load the model with `engine_config` (paged, no prefix caching) and calibrate() the cost model on it."""
+    """Load the model with `engine_config` (paged KV cache) and calibrate() the cost model on it."""
     from kvinfer.engine.llm_engine import LLMEngine
 
     if clock not in ("wall", "cpu"):
         raise ValidationError("fit_clock", clock, "must be wall or cpu")
-    engine = LLMEngine(engine_config.replace(kv_cache="paged", enable_prefix_caching=False))
+    engine = LLMEngine(engine_config.replace(kv_cache="paged"))
     try:
         return calibrate(engine, progress, clock)
     finally:
@@ -738,7 +757,9 @@ def format_bench(bench: dict) -> str:
     return "\n".join([
         "",
         f"Against bench throughput ({bench['requests']} requests, workload seed {bench['workload_seed']}, "
-        f"{bench['threads']} thread(s), measured in this run after {bench['calibration_s']:.1f} s of calibration)",
+        f"{bench['threads']} thread(s), measured in this run "
+        + (f"between two calibrations, {bench['calibration_s']:.1f} s in all)" if bench["calibration_s"]
+           else "with the given cost model)"),
         bench["machine"],
         f"  measured   {bench['measured_tok_s']:8.1f} gen tok/s   ({bench['generated_tokens']} tokens in "
         f"{bench['seconds']:.2f} s, {bench['engine_preemptions']} preemptions)",
