@@ -252,11 +252,14 @@ def test_cli_bench_prints_both_figures_and_the_error(tmp_path, capsys):
     assert m > 0 and s_ > 0 and e == pytest.approx((s_ / m - 1) * 100, abs=0.1 + 0.002 * abs(e))
     blocks = re.search(r"KV blocks\s+(\d+) engine, (\d+) simulated \(same\)", out)
     assert blocks and blocks.group(1) == blocks.group(2), out
+    assert re.search(r"stalled\s+\d+ of \d+ measured steps", out) and "fitted on the measured run's own steps" in out
     assert main(argv + ["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     b = r["bench"]
     assert b["requests"] == 6 and b["workload_seed"] == 3 and b["engine_blocks"] == b["simulated_blocks"]
     assert b["error"] == pytest.approx(b["predicted_tok_s"] / b["measured_tok_s"] - 1)
+    assert b["planned_steps"] == b["simulated_planned_steps"] and b["fused_steps"] == b["simulated_fused_steps"]
+    assert 0 <= b["stalled_s"] <= b["seconds"] and b["own_error"] is not None
     assert r["cost_model"]["source"].startswith("fitted") and r["fit_samples"]
     # The simulated workload is the measured one: the same requests, so the same generated token count.
     assert r["results"]["paged"]["generated_tokens"] == b["generated_tokens"]

@@ -273,12 +273,13 @@ def cmd_simulate(args) -> int:
         trace_label = f"synthetic: {n} requests, prompt 16-512, output 16-256, all at t=0, seed {args.seed}"
     # the engine's KV element type, so that the pool has the engine's block count
     kv_dtype = sim.engine_kv_cache_dtype(args.model, args.dtype, args.kv_cache_dtype)
+    fuses = bench.pop("fuses") if bench is not None else sim.engine_fuses_decode(args.model, args.dtype)
     cfg = sim.SimConfig(kv_cache_memory=memory, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                         block_size=args.block_size, max_model_len=max_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed, tp=args.tp,
-                        num_scheduler_steps=args.num_scheduler_steps)
+                        num_scheduler_steps=args.num_scheduler_steps if fuses else 1)
     runs = sim.run_simulation(trace, mc, cfg, cost, compare_contiguous=not args.no_compare)
     report = dict(model=label, dtype=args.dtype if kv_dtype == "auto" else kv_dtype,
                   kv_cache_memory=memory, max_model_len=max_len, trace=trace_label,
@@ -298,6 +299,10 @@ def cmd_simulate(args) -> int:
                      simulated_fused_s=r.fused_seconds)
         # The same simulation on a cost model fitted to the measured run's own steps: what is left of the error
         # when the machine's speed during the calibration is taken out (the model's form, not its coefficients).
+        stalled = [x for x in bench.pop("run_samples")
+                   if x["seconds"] > 3 * cost.step_time_of(x)]
+        bench.update(stalled_steps=sum(x["steps"] for x in stalled),
+                     stalled_s=sum(x["seconds"] * x["steps"] for x in stalled))
         own = bench.pop("own_cost_model")
         own_tps = sim.summarize(sim.simulate(trace, mc, replace(cfg, kv_cache="paged"), own))["throughput_tok_s"]
         bench.update(own_cost_model=dict(zip("abcdefg", own.coefficients), source=own.source),
@@ -368,7 +373,8 @@ def _measure_bench(sim, ecfg, cost, num_requests: int, args, progress):
                      planned_steps=rec.steps("planned"), planned_s=rec.seconds("planned"),
                      fused_steps=rec.steps("fused"), fused_s=rec.seconds("fused"),
                      own_cost_model=sim.cost_model_from_samples(rec.samples, "fitted on the measured run's own steps",
-                                                                eng.model_config))
+                                                                eng.model_config, drop_outliers=False),
+                     run_samples=rec.samples, fuses=eng.runner._fused_decode() is not None)
         return bench, cost, samples, eng.max_model_len
     finally:
         llm.close()

@@ -58,6 +58,13 @@ class CostModel:
             return self.e * one + self.f * n + self.g * ctx
         return self.a * one + self.b * n + self.c * dec + self.d * ctx
 
+    def step_time_of(self, sample: dict) -> float:
+        """The step time of a timed step as StepRecorder records it."""
+        if sample["kind"] == "fused" and self.has_fused:
+            return self.e + self.f * sample["num_decode_seqs"] + self.g * sample["sum_context_tokens"]
+        return (self.a + self.b * sample["num_batched_tokens"] + self.c * sample["num_decode_seqs"]
+                + self.d * sample["sum_context_tokens"])
+
     @property
     def coefficients(self) -> tuple[float, ...]:
         return self.a, self.b, self.c, self.d, self.e, self.f, self.g
@@ -214,7 +221,7 @@ CALIBRATION = ((1, 0, 64, 17), (4, 0, 512, 17), (32, 0, 16, 17), (32, 512, 16, 1
 PLANNED_DECODES = 3
 
 
-def fit_samples(samples: list[dict]) -> tuple[list[float], list[float], list[bool]]:
+def fit_samples(samples: list[dict], drop_outliers: bool = True) -> tuple[list[float], list[float], list[bool]]:
     """The planned-step coefficients (a, b, c, d) and the fused-step ones (e, f, g) that fit timed steps best in
     relative error (a 20 ms decode step counts as much as a 1 s prefill), every coefficient >= 0; steps that
     another process stalled (far off the others' fit) are dropped, worst first, up to a quarter of them. Each sample:
@@ -234,7 +241,7 @@ def fit_samples(samples: list[dict]) -> tuple[list[float], list[float], list[boo
         ok = np.ones(len(idx), dtype=bool)
         coef = _nonneg_lstsq(x, y, 1.0 / y)
         # Drop the worst step while it is far off the others' fit (a quarter of the steps at most), refitting each time.
-        while ok.sum() > max(len(cols) + 2, 3 * len(idx) // 4):
+        while drop_outliers and ok.sum() > max(len(cols) + 2, 3 * len(idx) // 4):
             rel = np.abs(x @ coef - y) / y
             worst = int(np.argmax(np.where(ok, rel, -1.0)))
             if rel[worst] <= max(3 * float(np.median(rel[ok])), 0.05):
@@ -301,10 +308,11 @@ class StepRecorder:
         return sum(s["steps"] for s in self.samples if s["kind"] == kind)
 
 
-def cost_model_from_samples(samples: list[dict], source: str, mc: Optional[ModelConfig] = None) -> CostModel:
+def cost_model_from_samples(samples: list[dict], source: str, mc: Optional[ModelConfig] = None,
+                            drop_outliers: bool = True) -> CostModel:
     """fit_samples() as a CostModel (its shapes recorded from `mc` for scaled_to); marks each sample's `outlier`
     and `predicted` seconds."""
-    planned, fused, keep = fit_samples(samples)
+    planned, fused, keep = fit_samples(samples, drop_outliers)
     for s, k in zip(samples, keep):
         s["outlier"] = not k
         s["predicted"] = (planned[0] + planned[1] * s["num_batched_tokens"] + planned[2] * s["num_decode_seqs"]
@@ -533,6 +541,13 @@ def engine_kv_cache_dtype(model: Optional[str], dtype: str, kv_cache_dtype: str)
     if model is not None and (model in PRESETS or model.endswith(".json")):
         return kv_cache_dtype  # shapes only: dummy float weights, no quantised kernels
     return "bfloat16" if resolve_source(model, "auto").kind == "gguf" else kv_cache_dtype
+
+
+def engine_fuses_decode(model: Optional[str], dtype: str) -> bool:
+    """Whether the engine takes fused multi-step decode calls for this model without loading it: a GGUF's quantised
+    weights on the CPU kernels with float32 activations (the built-in model); for the model families FusedDecode
+    does not cover, `simulate --bench` asks the loaded engine."""
+    return engine_kv_cache_dtype(model, dtype, "auto") == "bfloat16"
 
 
 def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
@@ -771,6 +786,9 @@ def format_bench(bench: dict) -> str:
         f"{bench['simulated_planned_steps']} in {bench['simulated_planned_s']:.2f} s",
         f"  fused steps    measured {bench['fused_steps']} in {bench['fused_s']:.2f} s, simulated "
         f"{bench['simulated_fused_steps']} in {bench['simulated_fused_s']:.2f} s",
+        f"  stalled    {bench['stalled_steps']} of {bench['planned_steps'] + bench['fused_steps']} measured steps "
+        f"took over 3x the calibrated model's time: {bench['stalled_s']:.2f} s of the "
+        f"{bench['seconds']:.2f} s (another process had the CPU; not the engine's cost)",
         f"  with a cost model fitted on the measured run's own steps: simulated "
         f"{'n/a' if own is None else f'{own:.1f}'} gen tok/s, error {own_err} (what the model's form leaves; the "
         f"rest is the machine's speed moving between the calibration and the run)",
