@@ -84,14 +84,14 @@ class CostModel:
                               f"to this model's shapes")
 
 
-# Fitted with `kvinfer simulate --fit --threads 2` on the project's 2-core machine while it was quiet, with the
-# int16-activation decode matmuls, the fused decode step, the paged decode kernel and the prefill row kernels;
-# its check against `kvinfer bench throughput` is in docs/BENCHMARKS.md ("Figures behind code decisions").
-# Re-fit on another machine with --fit (use --threads 1 --fit-clock cpu if it is shared and busy).
+# Calibrated by `kvinfer simulate --bench --synthetic 64` (two short calibrations around bench throughput's run of the
+# same workload) on the project's 2-core AMD EPYC (AVX-512, no AMX) with the fused decode calls; its error against
+# that run is in docs/BENCHMARKS.md ("Simulator against bench throughput"). Re-fit on another machine with --fit,
+# or check it there with --bench.
 FITTED = CostModel(
-    a=0.00393589, b=0.00174535, c=0.000842619, d=2.92649e-06,
-    source="fitted 2026-11-30 on AMD EPYC (2 CPUs), 2 torch threads, wall clock, quiet, built-in "
-           "SmolLM2-135M-Instruct Q4_1 as float32, 101 of 110 steps",
+    a=0.00257152, b=0.00058455, c=0.0, d=4.53816e-07, e=0.00247995, f=0.000690372, g=1.89577e-07,
+    source="fitted 2026-12-06 on AMD EPYC, 2 CPUs, 2 torch threads, load average 2.0, wall clock, built-in "
+           "SmolLM2-135M-Instruct Q4_1 as float32, 50 of 56 timed steps and calls",
     fitted_parameters=134515008, fitted_attention_width=30 * 9 * 64,
 )
 
