@@ -73,3 +73,43 @@ def test_unsupported_models_and_backends_say_why(tiny_llama_dir):
         FusedDecode(eng.loaded.model, eng.kv_cache)
     c = LLM(tiny_llama_dir, dtype="float32", kv_cache="contiguous", max_num_seqs=2).engine
     assert "contiguous" in unsupported_reason(c.loaded.model, c.kv_cache)
+
+
+@needs_kernels
+def test_a_model_with_mixed_type_projections_decodes_fused_bitwise(tmp_path):
+    # Q4_K_M files mix types inside q/k/v (and sometimes gate/up): each part is its own matmul in the C step, as in
+    # the eager path's QuantParts, so the tokens and logprobs are the eager path's exactly.
+    from kvinfer.layers.quant_linear import QuantParts
+    from tests.test_gguf_mixed import TYPES, write_mixed
+
+    types = dict(TYPES, **{"blk.0.ffn_gate.weight": "Q4_0", "blk.0.ffn_down.weight": "Q8_0"})  # all kernel types
+    path = write_mixed(tmp_path / "mixed.gguf", types=types)
+    llm = LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8)
+    eng = llm.engine
+    layer0 = eng.loaded.model.layers[0]
+    assert isinstance(layer0.attn.qkv, QuantParts) and isinstance(layer0.mlp.gate_up, QuantParts)
+    assert unsupported_reason(eng.loaded.model, eng.kv_cache) is None
+    calls = []
+    one, many = FusedDecode.__call__, FusedDecode.decode_steps
+
+    def counting(self, *a, **kw):
+        calls.append(1)
+        return one(self, *a, **kw)
+
+    def counting_steps(self, *a, **kw):
+        calls.append(1)
+        return many(self, *a, **kw)
+
+    prompts = [[2 + (7 * i + j) % 60 for j in range(3 + 5 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=3) for i in range(4)]
+    FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
+    try:
+        fused = _run(llm, prompts, params, True)
+    finally:
+        FusedDecode.__call__, FusedDecode.decode_steps = one, many
+    assert calls and eng.runner._fused is not None  # decode steps went through the C step
+    eager = _run(llm, prompts, params, False)
+    for a, b in zip(fused, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert_engine_clean(eng)

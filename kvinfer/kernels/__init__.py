@@ -153,11 +153,21 @@ class AttnJob(ctypes.Structure):
                [("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)]
 
 
+class DecodePart(ctypes.Structure):
+    """struct kvq_part: one part of a fused projection whose parts differ in type."""
+    _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32)]
+
+
+MAX_PARTS = 3  # KVQ_MAX_PARTS
+
+
 class DecodeLayer(ctypes.Structure):
     _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")] + \
                [(n, _i64) for n in ("qkv_ldw", "o_ldw", "gate_up_ldw", "down_ldw")] + \
                [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
-               [(n, _vp) for n in ("kpool", "vpool", "kscale", "vscale")]
+               [(n, _vp) for n in ("kpool", "vpool", "kscale", "vscale")] + \
+               [("qkv_parts", DecodePart * MAX_PARTS), ("gate_up_parts", DecodePart * MAX_PARTS),
+                ("qkv_nparts", _i32), ("gate_up_nparts", _i32)]
 
 
 class DecodeJob(ctypes.Structure):

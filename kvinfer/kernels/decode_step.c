@@ -15,6 +15,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* y[B, N] = x @ W^T for a projection of N output columns: one matrix, or parts side by side (each part's columns
+ * computed by the same kernel a matmul of that part alone runs, so the bits are the per-op path's). */
+static int project(const float *x, int64_t B, int64_t K, const uint8_t *w, int64_t N, int64_t ldw, int qt,
+                   const struct kvq_part *parts, int nparts, float *y, int nthreads) {
+    if (nparts <= 0) return kvq_matmul(x, B, K, K, w, N, ldw, qt, NULL, y, N, nthreads);
+    int64_t col = 0;
+    for (int i = 0; i < nparts; i++) {
+        if (col + parts[i].rows > N) return KVQ_EBADSHAPE;
+        const int rc = kvq_matmul(x, B, K, K, parts[i].w, parts[i].rows, parts[i].ldw, parts[i].qt, NULL, y + col, N,
+                                  nthreads);
+        if (rc) return rc;
+        col += parts[i].rows;
+    }
+    return col == N ? KVQ_OK : KVQ_EBADSHAPE;
+}
+
 int kvq_decode_step(const struct kvq_decode *d) {
     const int64_t B = d->B, hid = d->hidden, H = d->H, KVH = d->KVH, D = d->D, inter = d->inter;
     if (B <= 0 || hid <= 0 || H <= 0 || KVH <= 0 || H % KVH || D <= 0 || D % 2 || inter <= 0 || d->L <= 0)
@@ -44,7 +60,7 @@ int kvq_decode_step(const struct kvq_decode *d) {
     for (int64_t l = 0; l < d->L && rc == KVQ_OK; l++) {
         const struct kvq_decode_layer *p = d->layers + l;
         kvq_rms_norm(d->x, B, hid, p->attn_norm, h, hid, hid, d->eps, 1);
-        rc = kvq_matmul(h, B, hid, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, NULL, qkv, nqkv, d->nthreads);
+        rc = project(h, B, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, p->qkv_parts, p->qkv_nparts, qkv, d->nthreads);
         if (rc) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
@@ -70,8 +86,8 @@ int kvq_decode_step(const struct kvq_decode *d) {
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
 
         kvq_rms_norm(d->x, B, hid, p->ffn_norm, h, hid, hid, d->eps, 1);
-        rc = kvq_matmul(h, B, hid, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, NULL, gu, 2 * inter,
-                        d->nthreads);
+        rc = project(h, B, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, p->gate_up_parts,
+                     p->gate_up_nparts, gu, d->nthreads);
         if (rc) break;
         kvq_silu_mul_rows(gu, B, inter, 2 * inter, act, d->nthreads);
         rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, NULL, y, hid, d->nthreads);

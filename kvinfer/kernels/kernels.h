@@ -96,6 +96,14 @@ void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, 
 float kvq_exp_shift_sum(float *s, int64_t n, float mx);
 
 /* A whole decode step of a Llama-style quantised model (decode_step.c). */
+/* One part of a fused projection whose parts differ in type (Q4_K_M's q/k/v in Q4_K and Q6_K): rows output
+ * columns, side by side with the other parts'. */
+struct kvq_part {
+    const uint8_t *w;
+    int64_t rows, ldw;
+    int32_t qt;
+};
+#define KVQ_MAX_PARTS 3
 struct kvq_decode_layer {
     const float *attn_norm, *ffn_norm;
     const uint8_t *qkv, *o, *gate_up, *down;
@@ -103,6 +111,9 @@ struct kvq_decode_layer {
     int32_t qkv_qt, o_qt, gate_up_qt, down_qt;
     void *kpool, *vpool;
     float *kscale, *vscale;  /* 8-bit caches only */
+    /* nparts > 0: qkv (gate_up) is these parts instead of the one matrix above; 0: that matrix. */
+    struct kvq_part qkv_parts[KVQ_MAX_PARTS], gate_up_parts[KVQ_MAX_PARTS];
+    int32_t qkv_nparts, gate_up_nparts;
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */

@@ -15,7 +15,7 @@ import torch
 
 from kvinfer import kernels
 from kvinfer.layers.norm import RMSNorm
-from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
+from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, QuantParts
 
 
 def unsupported_reason(model, backend) -> Optional[str]:
@@ -41,12 +41,19 @@ def unsupported_reason(model, backend) -> Optional[str]:
     if rot.cos.dtype != torch.float32 or not (rot.cos.is_contiguous() and rot.sin.is_contiguous()):
         return "RoPE tables that are not contiguous float32"
     for layer in model.layers:
-        lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-        for lin in lins:
-            if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
-                return "a projection that is not a bias-free QuantLinear of one kernel type"
-            if not lin.raw.is_contiguous():
-                return "non-contiguous quantised weights"
+        for proj in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
+            fused = proj is layer.attn.qkv or proj is layer.mlp.gate_up
+            if fused and isinstance(proj, QuantParts):  # Q4_K_M's mixed q/k/v: each part its own matmul
+                if len(proj.parts) > kernels.MAX_PARTS:
+                    return f"a projection in {len(proj.parts)} parts (at most {kernels.MAX_PARTS})"
+                lins = list(proj.parts)
+            else:
+                lins = [proj]
+            for lin in lins:
+                if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
+                    return "a projection that is not bias-free QuantLinears of kernel types"
+                if not lin.raw.is_contiguous():
+                    return "non-contiguous quantised weights"
         for norm in (layer.input_norm, layer.post_attn_norm):
             if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.eps != cfg.norm_eps:
                 return "norms that are not float32 RMSNorm with the model's eps"
@@ -68,6 +75,13 @@ class FusedDecode:
             e.attn_norm, e.ffn_norm = layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr()
             for name, lin in (("qkv", layer.attn.qkv), ("o", layer.attn.o), ("gate_up", layer.mlp.gate_up),
                               ("down", layer.mlp.down)):
+                if isinstance(lin, QuantParts):
+                    parts = getattr(e, f"{name}_parts")
+                    for j, part in enumerate(lin.parts):
+                        parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
+                        parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
+                    setattr(e, f"{name}_nparts", len(lin.parts))
+                    continue
                 setattr(e, name, lin.raw.data_ptr())
                 setattr(e, f"{name}_ldw", lin.raw.stride(0))
                 setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
@@ -96,7 +110,8 @@ class FusedDecode:
     def _current_ptrs(self) -> tuple:
         m = self.model
         first = m.layers[0]
-        return (self.backend.k[0].data_ptr(), first.attn.qkv.raw.data_ptr(), first.input_norm.weight.data_ptr(),
+        qkv = first.attn.qkv.parts[0] if isinstance(first.attn.qkv, QuantParts) else first.attn.qkv
+        return (self.backend.k[0].data_ptr(), qkv.raw.data_ptr(), first.input_norm.weight.data_ptr(),
                 id(m.embed), id(m.norm), id(m.lm_head))
 
     def _check_ptrs(self) -> None:
