@@ -58,6 +58,7 @@ def test_bench_decode_reports_each_engine_against_the_roofline(tmp_path, capsys,
     r = out["roofline"]
     assert r["bytes_per_token"] == roofline.weight_bytes_per_token(path) > 0
     assert r["bound_tps"] == pytest.approx(r["read_bandwidth"] / r["bytes_per_token"])
+    assert len(r["bandwidth_samples"]) == 2 and r["read_bandwidth"] == max(r["bandwidth_samples"])  # before, after
     assert out["rows"][0]["roofline_share"] == pytest.approx(out["rows"][0]["decode_tps"] / r["bound_tps"])
     assert main(argv) == 0
     text = capsys.readouterr().out

@@ -287,6 +287,14 @@ def cmd_decode(args) -> int:
         else:
             print(f"peer {peer} is measured by bench throughput only; skipped", file=sys.stderr)
     samples: dict[str, list[dict]] = {"kvinfer": [], **{name: [] for name in peers}}
+    # The memory roofline's read bandwidth, measured before the rounds and after each (a shared machine's bandwidth
+    # moves with its neighbours): the best of them.
+    roofline_on = not args.no_roofline and path is not None and path.is_file() and path.suffix.lower() == ".gguf"
+    bandwidths = []
+    if roofline_on:
+        from kvinfer.bench.roofline import read_bandwidth
+
+        bandwidths.append(read_bandwidth(_threads()))
     for prompt in prompts:
         samples["kvinfer"].append(dict(load_s=engine.loaded.load_seconds, startup_s=startup, **ours(engine, prompt)))
         for name, measure in list(peers.items()):
@@ -295,6 +303,8 @@ def cmd_decode(args) -> int:
             except RuntimeError as e:  # llama-bench failing: one line, the other rows still count
                 print(f"{name} skipped: {e}", file=sys.stderr)
                 del peers[name]
+        if roofline_on:
+            bandwidths.append(read_bandwidth(_threads()))
     engine.close()
     rows = []
     for name, got in samples.items():
@@ -315,10 +325,11 @@ def cmd_decode(args) -> int:
         r["kvinfer_vs_this"] = ref / r["decode_tps"]
         r["kvinfer_prefill_vs_this"] = rows[0]["prefill_tps"] / r["prefill_tps"]
     roofline = None
-    if not args.no_roofline and path is not None and path.is_file() and path.suffix.lower() == ".gguf":
-        from kvinfer.bench.roofline import read_bandwidth, weight_bytes_per_token
+    if roofline_on:
+        from kvinfer.bench.roofline import weight_bytes_per_token
 
-        roofline = dict(bytes_per_token=weight_bytes_per_token(path), read_bandwidth=read_bandwidth(_threads()))
+        roofline = dict(bytes_per_token=weight_bytes_per_token(path), read_bandwidth=max(bandwidths),
+                        bandwidth_samples=bandwidths)
         roofline["bound_tps"] = roofline["read_bandwidth"] / roofline["bytes_per_token"]
         for r in rows:
             r["roofline_share"] = r["decode_tps"] / roofline["bound_tps"]
@@ -349,7 +360,8 @@ def cmd_decode(args) -> int:
     if roofline is not None:
         from kvinfer.bench.roofline import roofline_line
 
-        print(roofline_line(roofline["bytes_per_token"], roofline["read_bandwidth"], _threads(), rows))
+        print(roofline_line(roofline["bytes_per_token"], roofline["read_bandwidth"], _threads(), rows,
+                            len(bandwidths)))
     _print_tp(rows[0]["tp_comm"])
     return 0
 

@@ -5,7 +5,8 @@ prints each engine's decode as a share of that bound.
 Bytes per token are counted from the GGUF file, the same for every engine: every tensor but the token embedding
 (a step gathers one of its rows), which is counted too where the file has no output.weight (the head is the
 embedding then, read whole). The read bandwidth is measured here: the best of a few passes summing a buffer far
-larger than the caches, with the benchmark's threads."""
+larger than the caches, with the benchmark's threads, before the rounds and after each (a shared machine's
+bandwidth moves with its neighbours' load)."""
 from __future__ import annotations
 
 import time
@@ -62,11 +63,13 @@ def read_bandwidth(threads: int, nbytes: Optional[int] = None, passes: Optional[
     return (nbytes // 4 * 4) / best
 
 
-def roofline_line(bytes_per_token: int, bandwidth: float, threads: int, rows: list[dict]) -> str:
-    """One paragraph: the bound and each row's decode as a share of it."""
+def roofline_line(bytes_per_token: int, bandwidth: float, threads: int, rows: list[dict], samples: int = 1) -> str:
+    """One paragraph: the bound and each row's decode as a share of it (bandwidth: the best of `samples`
+    measurements of read_bandwidth)."""
     bound = bandwidth / bytes_per_token
     shares = ", ".join(f"{r['name']} {r['decode_tps']:.1f} tok/s = {100 * r['decode_tps'] / bound:.0f}%"
                        for r in rows)
     return (f"memory roofline: {bytes_per_token / 2**20:.1f} MiB of weights read per token, read bandwidth "
-            f"{bandwidth / 1e9:.1f} GB/s (best of {BANDWIDTH_PASSES} sums of {BANDWIDTH_BUFFER_BYTES >> 20} MiB, "
-            f"{threads} threads) -> at most {bound:.1f} tok/s; {shares}")
+            f"{bandwidth / 1e9:.1f} GB/s (best of {samples} x {BANDWIDTH_PASSES} sums of "
+            f"{BANDWIDTH_BUFFER_BYTES >> 20} MiB, {threads} threads, before and after each round) -> at most "
+            f"{bound:.1f} tok/s; {shares}")
