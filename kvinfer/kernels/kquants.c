@@ -46,6 +46,17 @@ static inline void st16(int16_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)
 /* kq_unpack's quants, 16 at a time (integers: the same values). */
 static inline __attribute__((always_inline)) void kq_unpack_q(const uint8_t *blk, const int qt, int16_t *q) {
     const __m256i m15 = _mm256_set1_epi16(15), m3 = _mm256_set1_epi16(3);
+    if (qt == QT_Q3_K) { /* value l of group 4h + s: 2 bits of qs[32h + l], minus 4 where hmask bit 4h + s is clear */
+        const __m256i four = _mm256_set1_epi16(4), one = _mm256_set1_epi16(1);
+        for (int h = 0; h < 2; h++)
+            for (int sh = 0; sh < 4; sh++, q += 32)
+                for (int i = 0; i < 32; i += 16) {
+                    const __m256i v = _mm256_and_si256(_mm256_srli_epi16(u8x16(blk + 32 + 32 * h + i), 2 * sh), m3);
+                    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(u8x16(blk + i), 4 * h + sh), one);
+                    st16(q + i, _mm256_sub_epi16(v, _mm256_mullo_epi16(_mm256_xor_si256(hb, one), four)));
+                }
+        return;
+    }
     if (qt == QT_IQ4_XS) { /* each nibble looks its value up in the table (pshufb), widened to int16 */
         const __m128i t = _mm_loadu_si128((const __m128i *)KQ_IQ4NL), n15 = _mm_set1_epi8(15);
         for (int j = 0; j < 8; j++, q += 32) {
@@ -114,6 +125,14 @@ static inline __m256 f8_of_i8(const int8_t *p) {
 static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *const *rows, int64_t off, const int qt,
                                                              float ds[][KG], float dm[][KG]) {
     __m256 c[KG], e[KG];
+    if (qt == QT_Q3_K) { /* d * (sc_j - 32): exact products, as kq_unpack's */
+        for (int u = 0; u < KG; u++) {
+            const uint8_t *b = rows[u] + off;
+            const float d = kvq_half(kvq_rd16(b + 108));
+            for (int t = 0; t < 16; t++) ds[t][u] = d * (float)kq_q3k_scale(b, t);
+        }
+        return;
+    }
     if (qt == QT_IQ4_XS) { /* d * (ls_j - 32): exact products, as kq_unpack's */
         for (int u = 0; u < KG; u++) {
             const uint8_t *b = rows[u] + off;
@@ -150,6 +169,15 @@ static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *cons
 
 /* One super-block: q[256] the quants as int16 (Q6_K: minus 32), ds[j] = d * sc_j, dm[j] = dmin * m_j (exact). */
 static void kq_unpack(const uint8_t *blk, int qt, int16_t *q, float *ds, float *dm) {
+    if (qt == QT_Q3_K) {
+        const float d = kvq_half(kvq_rd16(blk + 108));
+        for (int j = 0; j < 16; j++) ds[j] = d * (float)kq_q3k_scale(blk, j);
+        for (int h = 0; h < 2; h++)
+            for (int sh = 0; sh < 4; sh++, q += 32)
+                for (int l = 0; l < 32; l++)
+                    q[l] = (int16_t)(((blk[32 + 32 * h + l] >> (2 * sh)) & 3) - (((blk[l] >> (4 * h + sh)) & 1) ? 0 : 4));
+        return;
+    }
     if (qt == QT_IQ4_XS) {
         const float d = kvq_half(kvq_rd16(blk));
         for (int j = 0; j < 8; j++, q += 32) {
@@ -241,8 +269,8 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
             for (int u = 0; u < KG; u++) {
                 float dsu[16], dmu[8];
                 kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
-                for (int t = 0; t < (qt == QT_Q6_K ? 16 : 8); t++) ds[t][u] = dsu[t];
-                if (qt != QT_Q6_K)
+                for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) ds[t][u] = dsu[t];
+                if (!kq_sub16(qt))
                     for (int t = 0; t < 8; t++) dm[t][u] = dmu[t];
             }
 #endif
@@ -250,7 +278,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 const int16_t *xr = j->xq + r * j->K + s * QK_K;
                 const float *dxr = j->dx + r * nb + s * 8, *sxr = j->sx + r * nb + s * 8;
                 vf a = vf_load(acc + r * KG);
-                if (qt == QT_Q6_K) {
+                if (kq_sub16(qt)) {
                     for (int t = 0; t < 16; t++) {
                         vi p[KG];
                         for (int u = 0; u < KG; u++) p[u] = dot16(q + u * QK_K + 16 * t, xr + 16 * t);
@@ -286,6 +314,7 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
     if (j->qt == QT_Q4_K) kq_cols(j, n0, n1, acc, q, QT_Q4_K);
     else if (j->qt == QT_Q5_K) kq_cols(j, n0, n1, acc, q, QT_Q5_K);
     else if (j->qt == QT_Q6_K) kq_cols(j, n0, n1, acc, q, QT_Q6_K);
+    else if (j->qt == QT_Q3_K) kq_cols(j, n0, n1, acc, q, QT_Q3_K);
     else kq_cols(j, n0, n1, acc, q, QT_IQ4_XS);
     free(acc), free(q);
     return KVQ_OK;
@@ -393,7 +422,7 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
         for (int64_t s = 0; s < K / QK_K; s++) {
             kq_unpack(w + ids[r] * ldw + s * bb, qt, q, ds, dm);
             float *yb = out + r * K + s * QK_K;
-            if (qt == QT_Q6_K)
+            if (kq_sub16(qt))
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 16] * (float)q[i];
             else if (qt == QT_IQ4_XS)
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 32] * (float)q[i];
