@@ -30,7 +30,7 @@ int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt);
 int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
 const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt);
 /* Rows ids[0..n) of a kept weight as the GGUF bytes it was packed from (out: n rows ldo bytes apart), so that
- * the source rows may be dropped: Q4_0, Q4_1, Q8_0, the K-quants and IQ4_XS; KVQ_EBADTYPE for other types and levels. */
+ * the source rows may be dropped: Q4_0, Q4_1, Q8_0, Q3_K..Q6_K and IQ4_XS; KVQ_EBADTYPE for other types and levels. */
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                   int64_t ldo);
 int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,

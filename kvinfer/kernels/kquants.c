@@ -443,6 +443,8 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
  *   columns' d, dmin as fp16 bits.
  *   Q6_K: ql as 32 rows (row 16h + 8p + k: ql[64h + 32p + 4k..]), qh as 16 rows (row 8h + k: qh[32h + 4k..]),
  *   sc[t][column] (int8), the KC d as fp16 bits, padding.
+ *   Q3_K: qs as 16 rows (row 8h + k: qs[32h + 4k..]), hmask as 8 rows (row k: hmask[4k..]), sc_j - 32
+ *   [j][column] (int8), the KC d as fp16 bits, padding.
  *   IQ4_XS (the avx512 level only: at avx2 its table's values would saturate vpmaddubsw's int16 pair sums): qs as
  *   32 rows (row 4j + k: qs[16j + 4k..]; low nibbles are sub-block j's values 4k.., high nibbles 16 + 4k..), then
  *   ls_j - 32 [j][column] (int8), the KC d as fp16 bits, padding.
@@ -467,6 +469,7 @@ static int kc_sb_bytes(int qt) {
     case QT_Q4_K:
     case QT_Q5_K: return kc_so(qt) + 20 * KC;
     case QT_Q6_K: return (210 * KC + 63) / 64 * 64;
+    case QT_Q3_K: return (114 * KC + 63) / 64 * 64;
 #if KVQ_LEVEL >= 2
     case QT_IQ4_XS: return (138 * KC + 63) / 64 * 64;
 #endif
@@ -475,6 +478,8 @@ static int kc_sb_bytes(int qt) {
 }
 #define KC6_SC (48 * KC_R)          /* Q6_K: int8 scales */
 #define KC6_D (48 * KC_R + 16 * KC) /* Q6_K: d */
+#define KC3_SC (24 * KC_R)          /* Q3_K: sc_j - 32 */
+#define KC3_D (24 * KC_R + 16 * KC) /* Q3_K: d */
 #define KI_LS (32 * KC_R)         /* IQ4_XS: ls_j - 32 */
 #define KI_D (32 * KC_R + 8 * KC) /* IQ4_XS: d */
 
@@ -502,6 +507,14 @@ int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt
             const uint8_t *b[KC]; /* past N: the last column again (never stored) */
             for (int u = 0; u < KC; u++) b[u] = w + (gi * KC + u < N ? gi * KC + u : N - 1) * ldw + s * bb;
             memset(o, 0, (size_t)sbb);
+            if (qt == QT_Q3_K) {
+                kc_rows(b, 32, 16, o);              /* qs[0..64): rows 8h + k are bytes 32h + 4k */
+                kc_rows(b, 0, 8, o + 16 * KC_R);    /* hmask[0..32) */
+                for (int t = 0; t < 16; t++)
+                    for (int u = 0; u < KC; u++) o[KC3_SC + KC * t + u] = (uint8_t)(int8_t)kq_q3k_scale(b[u], t);
+                for (int u = 0; u < KC; u++) memcpy(o + KC3_D + 2 * u, b[u] + 108, 2);
+                continue;
+            }
             if (qt == QT_Q6_K) {
                 kc_rows(b, 0, 32, o);             /* ql[0..128): rows 16h + 8p + k are bytes 64h + 32p + 4k */
                 kc_rows(b, 128, 16, o + 32 * KC_R); /* qh[0..64): rows 8h + k are bytes 32h + 4k */
@@ -549,6 +562,20 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *sb = kept + ids[i] / KC * gb + s * sbb;
             uint8_t *o = out + i * ldo + s * bb;
+            if (qt == QT_Q3_K) { /* the 12 scale bytes packed again from sc_j: all 96 bits carry them */
+                for (int r = 0; r < 16; r++) memcpy(o + 32 + 4 * r, sb + KC_R * r + 4 * u, 4);
+                for (int r = 0; r < 8; r++) memcpy(o + 4 * r, sb + 16 * KC_R + KC_R * r + 4 * u, 4);
+                memcpy(o + 108, sb + KC3_D + 2 * u, 2);
+                int v[16];
+                for (int t = 0; t < 16; t++) v[t] = (int8_t)sb[KC3_SC + KC * t + u] + 32;
+                for (int j = 0; j < 8; j++) o[96 + j] = (uint8_t)((v[j] & 15) | ((v[j + 8] & 15) << 4));
+                for (int i = 0; i < 4; i++) {
+                    int h = 0;
+                    for (int q = 0; q < 4; q++) h |= ((v[4 * q + i] >> 4) & 3) << (2 * q);
+                    o[104 + i] = (uint8_t)h;
+                }
+                continue;
+            }
             if (qt == QT_Q6_K) {
                 for (int r = 0; r < 48; r++) memcpy(o + 4 * r, sb + KC_R * r + 4 * u, 4); /* ql, then qh */
                 for (int t = 0; t < 16; t++) o[192 + t] = sb[KC6_SC + KC * t + u];
@@ -595,6 +622,11 @@ static void kc_tr8_rows(const uint8_t *rows, uint8_t *dst, int ld) {
 
 static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch) {
     const int bb = kq_block_bytes(qt);
+    if (qt == QT_Q3_K) {
+        kc_tr8_rows(sb + 16 * KC_R, scratch, bb);                                               /* hmask */
+        for (int h = 0; h < 2; h++) kc_tr8_rows(sb + KC_R * 8 * h, scratch + 32 + 32 * h, bb); /* qs */
+        return;
+    }
     if (qt == QT_Q6_K) {
         for (int hp = 0; hp < 4; hp++) kc_tr8_rows(sb + KC_R * 8 * hp, scratch + 32 * hp, bb);  /* ql */
         for (int h = 0; h < 2; h++) kc_tr8_rows(sb + 32 * KC_R + KC_R * 8 * h, scratch + 128 + 32 * h, bb);
@@ -606,11 +638,12 @@ static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch) {
 }
 
 static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]) {
-    if (qt == QT_Q6_K) {
-        const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + KC6_D)));
+    if (kq_sub16(qt)) {
+        const int sc = qt == QT_Q3_K ? KC3_SC : KC6_SC, d = qt == QT_Q3_K ? KC3_D : KC6_D;
+        const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + d)));
         for (int t = 0; t < 16; t++)
             _mm256_storeu_ps(ds[t], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                          _mm_loadl_epi64((const __m128i *)(sb + KC6_SC + KC * t))))));
+                                                          _mm_loadl_epi64((const __m128i *)(sb + sc + KC * t))))));
         return;
     }
     const int so = kc_so(qt);
@@ -735,6 +768,32 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
         const uint8_t *sb = gp + s * sbb;
         for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
         kc_vi W[8];
+        if (qt == QT_Q3_K) { /* q = (2 bits of qs | the hmask bit << 2) - 4, then as Q6_K */
+            const kc_vf vd = kc_half(sb + KC3_D);
+            const kc_vi four = kc_set1_8(4);
+            for (int b8 = 0; b8 < 8; b8++) {
+                const int h = b8 >> 2, sh = 2 * (b8 & 3);
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const kc_vi lo = kc_loadi(sb + KC_R * (8 * h + k));
+                    const kc_vi hb = kc_loadi(sb + 16 * KC_R + KC_R * k);
+                    W[k] = kc_sub8(kc_or(kc_and(kc_srli16(lo, sh), m3), kc_slli16(kc_and(kc_srli16(hb, b8), one), 2)),
+                                   four);
+                }
+                const kc_vi s0 = kc_slli32(kc_dot(kc_ones, W, 0, 4), 15), s1 = kc_slli32(kc_dot(kc_ones, W, 4, 4), 15);
+                const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + KC3_SC + KC * (2 * b8)));
+                const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + KC3_SC + KC * (2 * b8 + 1)));
+#pragma GCC unroll 8
+                for (int r = 0; r < MT; r++) {
+                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
+                    const kc_vi D0 = kc_block(xr, W, 0, 4, s0), D1 = kc_block(xr, W, 4, 4, s1);
+                    const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
+                    acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
+                    acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
+                }
+            }
+            continue;
+        }
         if (qt == QT_Q6_K) {
             const kc_vf vd = kc_half(sb + KC6_D);
             const kc_vi o32 = kc_set1_8(32);
@@ -820,6 +879,7 @@ typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, i
         if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
         else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
         else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                       \
+        else if (qt == QT_Q3_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q3_K, MT);                       \
         else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                                        \
     }
 KC_TILE(1)
