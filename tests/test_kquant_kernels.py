@@ -11,9 +11,9 @@ import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantLinear
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
-SBTYPES = KTYPES + ("IQ4_XS", "Q3_K")  # every 256-weight super-block type kquants.c reads
+SBTYPES = KTYPES + ("IQ4_XS", "Q3_K", "Q2_K")  # every 256-weight super-block type kquants.c reads
 KEPT_AT = {"avx2": KTYPES + ("Q3_K",), "avx512": KTYPES + ("Q3_K", "IQ4_XS")}  # the types with a kept copy, per level
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
 # Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/test_matmul_kernel.py).
@@ -36,6 +36,10 @@ def make_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         raw[:, :, 0:2] = (d / 8).astype(np.float16).view(np.uint8).reshape(n, nsb, 2)
     elif qtype == "Q3_K":  # random hmask, quants and scales, then d
         raw[:, :, 108:110] = d.view(np.uint8).reshape(n, nsb, 2)
+    elif qtype == "Q2_K":  # random scale/min nibbles and quants, then d, dmin
+        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
+        raw[:, :, 80:82] = d.view(np.uint8).reshape(n, nsb, 2)
+        raw[:, :, 82:84] = dmin.view(np.uint8).reshape(n, nsb, 2)
     else:
         dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
         raw[:, :, 0:2] = d.view(np.uint8).reshape(n, nsb, 2)
@@ -57,7 +61,7 @@ def reference_i16(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int) 
     y = xr @ deq(raw, qtype, n, k).double().T
     if qtype not in ("Q6_K", "IQ4_XS", "Q3_K"):
         zero = raw.reshape(n, k // 256, BLOCK_BYTES[qtype]).copy()
-        zero[:, :, 16:] = 0  # qh (Q5_K) and qs
+        zero[:, :, 16:80 if qtype == "Q2_K" else None] = 0  # qh (Q5_K) and qs
         y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
     return y
 

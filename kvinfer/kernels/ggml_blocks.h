@@ -5,6 +5,8 @@
  *   Q4_K (144 B): d dmin scales[12] qs[128]         8 sub-blocks of 32: w = (d * sc_j) * q - dmin * m_j, q 0..15
  *   Q5_K (176 B): d dmin scales[12] qh[32] qs[128]  the same with a fifth bit from qh: q 0..31
  *   Q6_K (210 B): ql[128] qh[64] scales[16] d       16 sub-blocks of 16: w = (d * sc_j) * (q - 32), sc_j int8
+ *   Q2_K (84 B): scales[16] qs[64] d dmin         16 sub-blocks of 16: w = (d * sc_j) * q - dmin * m_j, q 0..3
+ *                 (qs[32n + l] bits 2s..: value 32 (4n + s) + l), sc_j / m_j the low / high nibble of scales[j]
  *   Q3_K (110 B): hmask[32] qs[64] scales[12] d   16 sub-blocks of 16: w = (d * (sc_j - 32)) * q, q = 2 bits of qs
  *                 minus 4 where the hmask bit is clear (-4..3); sc_j 6 bits (kq_q3k_scale)
  *   IQ4_XS (136 B): d scales_h(u16) scales_l[4] qs[128]  8 sub-blocks of 32: w = (d * (ls_j - 32)) * T[q], q 0..15
@@ -17,15 +19,17 @@
 #include <stdint.h>
 
 #define QK_K 256
-enum { QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
 /* The types of 256-weight super-blocks kquants.c reads (IQ4_XS is not a K-quant by name, but is one in shape). */
 static inline int kq_is_kquant(int qt) {
-    return qt == QT_Q3_K || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K || qt == QT_IQ4_XS;
+    return qt == QT_Q2_K || qt == QT_Q3_K || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K || qt == QT_IQ4_XS;
 }
 
-/* Whether a type's super-block has 16 sub-blocks of 16 with one signed scale each and no minimum (Q6_K, Q3_K). */
-static inline int kq_sub16(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K; }
+/* Whether a type's super-block has 16 sub-blocks of 16 (Q6_K, Q3_K, Q2_K), and whether a minimum is subtracted
+ * per sub-block (Q4_K, Q5_K, Q2_K). */
+static inline int kq_sub16(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K; }
+static inline int kq_has_min(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q2_K; }
 
 /* Q3_K sub-block j's (0..15) scale sc_j - 32: low nibble j % 8 of bytes 0..7 of scales (low halves first), the high
  * two bits from byte 8 + j % 4, bits 2 (j / 4)... */
@@ -46,6 +50,7 @@ static inline int kq_iq4xs_ls(const uint8_t *blk, int j) {
 
 static inline int kq_block_bytes(int qt) {
     switch (qt) {
+    case QT_Q2_K: return 84;
     case QT_Q3_K: return 110;
     case QT_Q4_K: return 144;
     case QT_Q5_K: return 176;

@@ -8,7 +8,8 @@
  *   acc = 0; for each super-block, for each sub-block j in order (b: the 32-activation block it lies in):
  *     acc = fma(float(D_j), (d * sc_j) * dx_b, acc)
  *     acc = acc - (dmin * m_j) * sx_b, one rounding (fnma)    Q4_K / Q5_K only
- * (IQ4_XS: d * sc_j is d * (ls_j - 32), its quants the table's int8 values.)
+ * (IQ4_XS: d * sc_j is d * (ls_j - 32), its quants the table's int8 values. Q2_K's sub-blocks are 16 values, so
+ * its minimum meets sx16, the exact float sum of each 16 activations, computed here as quantize_rows sums 32.)
  *   y = acc (+ bias[n], one add).
  * A super-block of 8 output columns is unpacked once to int16 quants and exact float scales, then every row of
  * the call reads it; a row's accumulators live in memory between super-blocks, so the row count never changes a
@@ -46,6 +47,13 @@ static inline void st16(int16_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)
 /* kq_unpack's quants, 16 at a time (integers: the same values). */
 static inline __attribute__((always_inline)) void kq_unpack_q(const uint8_t *blk, const int qt, int16_t *q) {
     const __m256i m15 = _mm256_set1_epi16(15), m3 = _mm256_set1_epi16(3);
+    if (qt == QT_Q2_K) { /* value l of group 4n + s: bits 2s.. of qs[32n + l] */
+        for (int n = 0; n < 2; n++)
+            for (int sh = 0; sh < 4; sh++, q += 32)
+                for (int i = 0; i < 32; i += 16)
+                    st16(q + i, _mm256_and_si256(_mm256_srli_epi16(u8x16(blk + 16 + 32 * n + i), 2 * sh), m3));
+        return;
+    }
     if (qt == QT_Q3_K) { /* value l of group 4h + s: 2 bits of qs[32h + l], minus 4 where hmask bit 4h + s is clear */
         const __m256i four = _mm256_set1_epi16(4), one = _mm256_set1_epi16(1);
         for (int h = 0; h < 2; h++)
@@ -125,6 +133,14 @@ static inline __m256 f8_of_i8(const int8_t *p) {
 static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *const *rows, int64_t off, const int qt,
                                                              float ds[][KG], float dm[][KG]) {
     __m256 c[KG], e[KG];
+    if (qt == QT_Q2_K) { /* d * sc_j, dmin * m_j: exact products, as kq_unpack's */
+        for (int u = 0; u < KG; u++) {
+            const uint8_t *b = rows[u] + off;
+            const float d = kvq_half(kvq_rd16(b + 80)), dmin = kvq_half(kvq_rd16(b + 82));
+            for (int t = 0; t < 16; t++) ds[t][u] = d * (float)(b[t] & 15), dm[t][u] = dmin * (float)(b[t] >> 4);
+        }
+        return;
+    }
     if (qt == QT_Q3_K) { /* d * (sc_j - 32): exact products, as kq_unpack's */
         for (int u = 0; u < KG; u++) {
             const uint8_t *b = rows[u] + off;
@@ -169,6 +185,14 @@ static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *cons
 
 /* One super-block: q[256] the quants as int16 (Q6_K: minus 32), ds[j] = d * sc_j, dm[j] = dmin * m_j (exact). */
 static void kq_unpack(const uint8_t *blk, int qt, int16_t *q, float *ds, float *dm) {
+    if (qt == QT_Q2_K) {
+        const float d = kvq_half(kvq_rd16(blk + 80)), dmin = kvq_half(kvq_rd16(blk + 82));
+        for (int j = 0; j < 16; j++) ds[j] = d * (float)(blk[j] & 15), dm[j] = dmin * (float)(blk[j] >> 4);
+        for (int n = 0; n < 2; n++)
+            for (int sh = 0; sh < 4; sh++, q += 32)
+                for (int l = 0; l < 32; l++) q[l] = (int16_t)((blk[16 + 32 * n + l] >> (2 * sh)) & 3);
+        return;
+    }
     if (qt == QT_Q3_K) {
         const float d = kvq_half(kvq_rd16(blk + 108));
         for (int j = 0; j < 16; j++) ds[j] = d * (float)kq_q3k_scale(blk, j);
@@ -224,6 +248,7 @@ static void kq_unpack(const uint8_t *blk, int qt, int16_t *q, float *ds, float *
 struct kq_job {
     const int16_t *xq;
     const float *dx, *sx, *bias;
+    const float *sx16; /* Q2_K: the exact float sum of each 16 activations [M, K / 16] (else NULL) */
     const uint8_t *w;
     float *y;
     int64_t M, K, N, ldw, ldy;
@@ -250,7 +275,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int u = 0; u < KG; u++) rows[u] = j->w + (n + (u < g ? u : g - 1)) * j->ldw;
         for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
         for (int64_t s = 0; s < nsb; s++) {
-            float ds[16][KG], dm[8][KG];
+            float ds[16][KG], dm[16][KG];
 #if KVQ_LEVEL == 1
             if (j->kept) {
                 const uint8_t *sb = j->kept + (n / KG * nsb + s) * kc_sb_bytes(qt);
@@ -267,11 +292,11 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
             kq_scales8(rows, s * bb, qt, ds, dm);
 #else
             for (int u = 0; u < KG; u++) {
-                float dsu[16], dmu[8];
+                float dsu[16], dmu[16];
                 kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
                 for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) ds[t][u] = dsu[t];
-                if (!kq_sub16(qt))
-                    for (int t = 0; t < 8; t++) dm[t][u] = dmu[t];
+                if (kq_has_min(qt))
+                    for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) dm[t][u] = dmu[t];
             }
 #endif
             for (int64_t r = 0; r < M; r++) {
@@ -283,6 +308,8 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                         vi p[KG];
                         for (int u = 0; u < KG; u++) p[u] = dot16(q + u * QK_K + 16 * t, xr + 16 * t);
                         a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t / 2])), a);
+                        if (qt == QT_Q2_K)
+                            a = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[r * (j->K / 16) + s * 16 + t]), a);
                     }
                 } else {
                     for (int t = 0; t < 8; t++) {
@@ -315,6 +342,7 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
     else if (j->qt == QT_Q5_K) kq_cols(j, n0, n1, acc, q, QT_Q5_K);
     else if (j->qt == QT_Q6_K) kq_cols(j, n0, n1, acc, q, QT_Q6_K);
     else if (j->qt == QT_Q3_K) kq_cols(j, n0, n1, acc, q, QT_Q3_K);
+    else if (j->qt == QT_Q2_K) kq_cols(j, n0, n1, acc, q, QT_Q2_K);
     else kq_cols(j, n0, n1, acc, q, QT_IQ4_XS);
     free(acc), free(q);
     return KVQ_OK;
@@ -345,7 +373,20 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         return KVQ_ENOMEM;
     }
     kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
-    struct kq_job j = {xq, dx, sx, bias, w, y, M, K, N, ldw, ldy, qt, NULL};
+    float *sx16 = NULL;
+    if (qt == QT_Q2_K) { /* as quantize_rows sums a block of 32: lane-wise adds, then one horizontal sum */
+        sx16 = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16)));
+        if (!sx16) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t b = 0; b < K / 16; b++) {
+                const float *xb = x + r * ldx + 16 * b;
+                sx16[r * (K / 16) + b] = vf_hsum(vf_add(vf_add(vf_zero(), vf_load(xb)), vf_load(xb + 8)));
+            }
+    }
+    struct kq_job j = {xq, dx, sx, bias, sx16, w, y, M, K, N, ldw, ldy, qt, NULL};
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
@@ -362,7 +403,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     if (kept) {
         xu = (uint8_t *)malloc((size_t)(M * K * 2));
         if (!xu) {
-            free(xq), free(dx), free(sx);
+            free(xq), free(dx), free(sx), free(sx16);
             return KVQ_ENOMEM;
         }
         kvq_split_bytes(xq, M, K, xu);
@@ -405,7 +446,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             }
         }
     }
-    free(xq), free(dx), free(sx), free(xu);
+    free(xq), free(dx), free(sx), free(xu), free(sx16);
     return rc;
 }
 
@@ -417,12 +458,14 @@ int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids,
     if (K % QK_K) return KVQ_EBADSHAPE;
     if (ldw < K / QK_K * bb) return KVQ_EROWBYTES;
     int16_t q[QK_K];
-    float ds[16], dm[8];
+    float ds[16], dm[16];
     for (int64_t r = 0; r < n; r++)
         for (int64_t s = 0; s < K / QK_K; s++) {
             kq_unpack(w + ids[r] * ldw + s * bb, qt, q, ds, dm);
             float *yb = out + r * K + s * QK_K;
-            if (kq_sub16(qt))
+            if (qt == QT_Q2_K)
+                for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 16] * (float)q[i] - dm[i / 16];
+            else if (kq_sub16(qt))
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 16] * (float)q[i];
             else if (qt == QT_IQ4_XS)
                 for (int i = 0; i < QK_K; i++) yb[i] = ds[i / 32] * (float)q[i];
