@@ -261,6 +261,7 @@ def test_tier_counters_on_metrics(tiny_llama_dir, cold):
     hits = llm.engine.kv_tiers.counters()["ram"]["hits"]
     assert hits > 0 and f'kvinfer_kv_tier_hits_total{{model_name="tiny",tier="ram"}} {float(hits)}' in text
     assert 'kvinfer_kv_tier_errors_total{model_name="tiny",tier="ram"} 0.0' in text
+    assert 'kvinfer_kv_tier_queued_bytes{model_name="tiny"} 0.0' in text  # no persistent tier: nothing queued
 
 
 def test_bench_prefix_cache_json(tiny_llama_dir, capsys):
@@ -290,3 +291,30 @@ def test_plan_sizes_the_tiers(capsys):
     bpt, ram, disk = plan["kv_bytes_per_token"], plan["kv_tiers"]["ram"], plan["kv_tiers"]["disk"]
     assert ram["blocks"] == (4 << 30) // (bpt * 16) and disk["blocks"] == (20 << 30) // (bpt * 16 + 48)
     assert ram["prefixes"] == ram["blocks"] // 250
+
+
+def test_bench_two_servers_share_a_prefix_through_redis(capsys):
+    """Two `kvinfer serve` processes of the built-in model on one private redis-server: the second's first request
+    on the prompt the first computed takes >= 90% of it from Redis, with the same tokens and logprobs."""
+    import json
+
+    from kvinfer.cli import main
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+    rc = main(["bench", "prefix-cache", "--two-servers", "--long-prefix", "200", "--max-tokens", "3",
+               "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["same_output"] and report["prompt_tokens"] == 200
+    assert report["first"]["cached_tokens"] == 0 and report["second"]["cached_tokens"] >= 180
+    assert report["second"]["redis_block_hits"] * 16 == report["second"]["cached_tokens"]
+    assert report["redis_errors"] == [0, 0]
+
+
+def test_bench_two_servers_needs_a_prompt(capsys):
+    from kvinfer.cli import main
+
+    assert main(["bench", "prefix-cache", "--two-servers", "--long-prefix", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--long-prefix" in err

@@ -87,6 +87,10 @@ def start_redis(workdir: Path):
 def cmd_prefix_cache(args) -> int:
     from kvinfer.cli import engine_config_from_args
 
+    if args.two_servers:
+        from kvinfer.bench.shared_redis import cmd_two_servers
+
+        return cmd_two_servers(args)
     base = engine_config_from_args(args)
     probe = LLMEngine(base.replace(kv_cache_memory=1 << 20, kv_offload_memory=None, kv_cache_dir=None,
                                    kv_cache_dir_size=None, kv_cache_redis=None))
@@ -183,6 +187,9 @@ def register_prefix_cache(bs) -> None:
     p.add_argument("--long-prefix", type=int_at_least("--long-prefix", 0), default=4000,
                    help="also a prompt of this many tokens: TTFT cold vs after a restart from the disk tier "
                         "(default 4000; 0: skip)")
+    p.add_argument("--two-servers", action="store_true",
+                   help="instead: two `kvinfer serve` processes on one Redis; the first computes a --long-prefix "
+                        "prompt, then the second's first request on it: cached tokens and TTFT of each")
     p.add_argument("--redis", default=None, metavar="URL", help="use this Redis server instead of starting one")
     p.add_argument("--workload-seed", type=seed_int("--workload-seed"), default=0, help="workload seed (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

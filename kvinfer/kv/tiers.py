@@ -256,6 +256,12 @@ class KVTiers:
                     self._queued_bytes -= self.block_bytes
                 self._queue.task_done()
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes copied and waiting for the writer thread (0 once everything computed so far is written)."""
+        with self._qlock:
+            return self._queued_bytes
+
     def flush(self) -> None:
         """Wait until every queued block has been written (tests, shutdown)."""
         if self._writer is not None:

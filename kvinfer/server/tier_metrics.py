@@ -32,6 +32,10 @@ class TierCollector:
                               "tiers because the writer was behind.", labels=["model_name"])
         g.add_metric([self._model], tiers.dropped_writes)
         yield g
+        q = GaugeMetricFamily("kvinfer_kv_tier_queued_bytes", "Bytes of computed blocks waiting to be written "
+                              "through to the persistent tiers.", labels=["model_name"])
+        q.add_metric([self._model], tiers.queued_bytes)
+        yield q
 
 
 def register_tier_metrics(registry, engine, model_name: str) -> None:
