@@ -257,6 +257,7 @@ def test_page_chat_and_live_kv_map(srv, page, tmp_path):
     page.goto(srv.url)
     page.wait_for_selector("#conn.on")
     assert page.inner_text("#model") == srv.model_name
+    assert page.locator("#tiers-box").is_hidden()  # no tiers below this server's pool
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "24")
     assert "Paris" in _ask(page, "What is the capital of France?")
@@ -373,5 +374,43 @@ def test_contiguous_page_shows_reserved_slots(page):
             text = page.inner_text("#slots .slot[data-owner] .slot-text")
             assert "of 256 tokens used" in text and "reserved unused" in text
         _wait(page, "() => document.querySelectorAll('#slots .slot[data-owner]').length === 0")
+    finally:
+        s.stop()
+
+
+def _tier_metric(text: str, name: str, tier: str) -> int:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'tier="{tier}"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"{name} for tier {tier} missing from /metrics")
+
+
+def test_page_shows_the_kv_tiers(page, tmp_path):
+    """Each tier below the pool gets a row with what /metrics says of it: blocks held, hits, misses, errors."""
+    # A pool of about 11 blocks: the second prompt evicts the first one's tail into the RAM tier, and the first
+    # prompt asked again takes it back from there. Every full block is also written to the disk tier.
+    s = start_server(engine_config(max_model_len=128, kv_cache_memory=4 << 20, kv_offload_memory="64MiB",
+                                   kv_cache_dir=str(tmp_path / "kv")))
+    try:
+        with httpx.Client(base_url=s.url, timeout=300) as c:
+            a, b = list(range(1000, 1100)), list(range(2000, 2100))
+            for ids in (a, b, a):
+                r = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+            s.engine.engine.kv_tiers.flush()  # the disk writes done: nothing changes the counters from here on
+            metrics = c.get("/metrics").text
+        page.goto(s.url)
+        page.wait_for_selector("#conn.on")
+        page.wait_for_selector("#tiers-box", state="visible")
+        rows = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#tiers tbody tr')].map(
+            tr => [tr.dataset.tier, Object.fromEntries([...tr.cells].map(td => [td.classList[0], td.textContent]))]))""")
+        assert list(rows) == ["ram", "disk"]
+        for tier, row in rows.items():
+            for field in ("hits", "misses", "errors", "evictions"):
+                assert row[field] == f"{_tier_metric(metrics, f'kvinfer_kv_tier_{field}_total', tier):,}", (tier, row)
+            assert row["blocks"] == f"{_tier_metric(metrics, 'kvinfer_kv_tier_blocks', tier):,}", (tier, row)
+        assert _tier_metric(metrics, "kvinfer_kv_tier_hits_total", "ram") > 0  # the first prompt's tail came back
+        assert _tier_metric(metrics, "kvinfer_kv_tier_blocks", "disk") >= 12 and rows["ram"]["blocks"] != "0"
+        assert rows["ram"]["bytes"].endswith("MiB") or rows["ram"]["bytes"].endswith("KiB")
     finally:
         s.stop()

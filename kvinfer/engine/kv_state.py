@@ -41,6 +41,8 @@ def kv_state(engine) -> dict:
         "generation_tokens": engine.stats["generation_tokens"],
         "steps": engine.stats["steps"],
         "seqs": [_seq(r, now) for r in seqs],
+        # The tiers below the pool (RAM, disk, Redis): what each holds and its counters, as /metrics has them.
+        "tiers": engine.kv_tiers.snapshot() if getattr(engine, "kv_tiers", None) is not None else [],
     }
     units, held = m.snapshot(seqs)  # the backend's own map: blocks (paged), slots (contiguous)
     out.update(units)

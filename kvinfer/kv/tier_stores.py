@@ -39,6 +39,11 @@ class DiskTier(Tier):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._rescan()
 
+    def held(self):
+        """Block files in the directory (this process's and others' it has seen), and their bytes."""
+        with self._lock:
+            return len(self.index), self.used
+
     def _path(self, key: bytes) -> Path:
         return self.dir / f"{self.prefix}{key.hex()}{SUFFIX}"
 

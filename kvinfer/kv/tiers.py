@@ -105,6 +105,10 @@ class Tier:
     def put(self, key: bytes, payload) -> None:
         raise NotImplementedError
 
+    def held(self) -> Optional[tuple[int, int]]:
+        """(blocks, bytes) this tier holds now, or None where it cannot tell cheaply (a shared server)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -128,6 +132,9 @@ class RamTier(Tier):
 
     def contains(self, key: bytes) -> bool:
         return key in self.blocks
+
+    def held(self) -> Optional[tuple[int, int]]:
+        return len(self.blocks), self.used
 
     def put(self, key: bytes, payload) -> None:
         n = len(payload)
@@ -312,6 +319,15 @@ class KVTiers:
 
     def counters(self) -> dict[str, dict]:
         return {t.name: t.stats.as_dict() for t in self.tiers}
+
+    def snapshot(self) -> list[dict]:
+        """Per tier, in lookup order: its name and label, what it holds (None where unknown) and its counters."""
+        out = []
+        for t in self.tiers:
+            held = t.held()
+            out.append(dict(name=t.name, label=getattr(t, "label", t.name), blocks=held[0] if held else None,
+                            bytes=held[1] if held else None, **t.stats.as_dict()))
+        return out
 
     def describe(self) -> str:
         parts = []

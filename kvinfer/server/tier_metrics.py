@@ -28,6 +28,15 @@ class TierCollector:
             for name, stats in counters.items():
                 c.add_metric([self._model, name], stats[field])
             yield c
+        held = {"blocks": GaugeMetricFamily("kvinfer_kv_tier_blocks", "Blocks the tier holds now (RAM; disk: files "
+                                            "in its directory).", labels=["model_name", "tier"]),
+                "bytes": GaugeMetricFamily("kvinfer_kv_tier_bytes", "Bytes the tier holds now (RAM; disk: files "
+                                           "in its directory).", labels=["model_name", "tier"])}
+        for t in tiers.snapshot():
+            for k, fam in held.items():
+                if t[k] is not None:
+                    fam.add_metric([self._model, t["name"]], t[k])
+        yield from held.values()
         g = GaugeMetricFamily("kvinfer_kv_tier_dropped_writes", "Blocks not written through to the persistent "
                               "tiers because the writer was behind.", labels=["model_name"])
         g.add_metric([self._model], tiers.dropped_writes)

@@ -257,6 +257,8 @@ function render(s) {
   $("st-tps").textContent = s.tokens_per_s == null ? "–" : s.tokens_per_s.toFixed(1);
   $("st-gen").textContent = `${fmtInt(s.generation_tokens)} generated in all`;
 
+  renderTiers(s.tiers || []);
+
   forgetHues(s.seqs);
   $("map-box").hidden = !paged;
   $("slots-box").hidden = !contiguous;
@@ -266,6 +268,30 @@ function render(s) {
   renderSeqs(s);
   if (focus && !s.seqs.some((q) => q.id === focus)) focus = null;
   applyFocus();
+}
+
+// The tiers below the pool (RAM, disk, Redis), one row each: what it holds ("–" where the tier cannot tell, a
+// shared Redis) and its counters, the numbers /metrics has.
+function renderTiers(tiers) {
+  $("tiers-box").hidden = !tiers.length;
+  const rows = tiers.map((t) => {
+    const tr = document.createElement("tr");
+    tr.dataset.tier = t.name;
+    tr.title = t.label;
+    const cells = [["name", t.name], ["blocks", t.blocks == null ? "–" : fmtInt(t.blocks)],
+      ["bytes", t.bytes == null ? "–" : fmtBytes(t.bytes)], ["hits", fmtInt(t.hits)], ["misses", fmtInt(t.misses)],
+      ["errors", fmtInt(t.errors)], ["io", `${fmtBytes(t.bytes_in)} / ${fmtBytes(t.bytes_out)}`],
+      ["evictions", fmtInt(t.evictions)]];
+    for (const [cls, text] of cells) {
+      const td = document.createElement("td");
+      td.className = cls;
+      td.textContent = text;
+      if (cls === "errors" && t.errors > 0) td.classList.add("bad");
+      tr.append(td);
+    }
+    return tr;
+  });
+  $("tiers").tBodies[0].replaceChildren(...rows);
 }
 
 function buildMap(n) {
