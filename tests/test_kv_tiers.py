@@ -7,6 +7,7 @@ import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -14,7 +15,8 @@ import pytest
 from kvinfer import LLM, SamplingParams
 from kvinfer.errors import ValidationError
 from kvinfer.kv.tier_stores import DiskTier
-from kvinfer.kv.tiers import RamTier, decode_record, encode_record
+from kvinfer.kv.block_pool import BlockPool
+from kvinfer.kv.tiers import KVTiers, RamTier, decode_record, encode_record
 from tests.conftest import assert_engine_clean
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -61,6 +63,78 @@ def test_ram_tier_restores_evicted_prefixes_exactly(tiny_llama_dir, cold):
     off = small_llm(tiny_llama_dir)
     generate_each(off, ps)
     assert all(o.num_cached_tokens == 0 for o in generate_each(off, ps))  # the pool alone had lost them
+
+
+def test_ram_copies_run_off_the_engine_thread(tiny_llama_dir, cold):
+    """The RAM tier's copies of blocks that may be evicted next are made by its worker thread: a step goes on while
+    a copy is held up, and the prefixes restored from those copies are the cold run's bits."""
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_offload_memory="4MiB")
+    tiers = llm.engine.kv_tiers
+    assert tiers.ahead > 0
+    gate, copying, readers = threading.Event(), threading.Event(), []
+    real = tiers.read_block
+
+    def read(bid):
+        readers.append(threading.current_thread().name)
+        if threading.current_thread().name == "kv-tier-ram":
+            copying.set()
+            gate.wait(300)
+        return real(bid)
+
+    tiers.read_block = read
+    try:
+        assert results(generate_each(llm, ps[:1])) == ref[:1]  # its 30 full blocks are freed, still cached
+        assert copying.wait(300)  # the worker took the first of them and is held at the gate
+        # A short request (from never-used blocks) runs every step to the end while that copy is held up.
+        short = llm.generate([[5, 6, 7, 8, 9]], PARAMS)[0]
+        assert len(short.outputs[0].token_ids) == 6 and not gate.is_set() and tiers.copies_ahead == 0
+    finally:
+        gate.set()
+    tiers.flush()
+    assert tiers.copies_ahead >= 29 and llm.engine.kv_tiers.counters()["ram"]["bytes_out"] > 0
+    again = generate_each(llm, ps[1:] + ps[:1])  # the others evict the first prompt; it comes back from RAM
+    assert results(again) == ref[1:] + ref[:1] and again[-1].num_cached_tokens >= 100
+    assert tiers.sync_copies == 0 and set(readers) == {"kv-tier-ram"}  # no copy on the engine's thread
+    llm.close()
+
+
+def test_a_block_is_handed_out_only_after_its_copy():
+    """A free block whose copy to the RAM tier is still running is reused only once the copy has finished."""
+    store = {i: bytes([i]) * 8 for i in range(4)}
+    events, gate, readers = [], threading.Event(), []
+
+    def read(bid):
+        readers.append(threading.current_thread().name)
+        assert gate.wait(300)
+        events.append(("copied", bid))
+        return store[bid]
+
+    ram = RamTier(1 << 20)
+    tiers = KVTiers(b"f" * 16, 8, read, lambda bid, payload: None, [ram], ahead=8)
+    pool = BlockPool(4)
+    pool.on_evict = tiers.on_evict
+    (b,) = pool.allocate(1)
+    pool.register(b, b"k" * 16)
+    pool.free([b])  # free queue: the 3 never-used blocks, then b (cached)
+    tiers.copy_ahead(pool.next_evictions(8))  # the worker takes b's copy and waits at the gate
+    entered = threading.Event()
+
+    def on_reuse(bid):
+        if bid == b:
+            entered.set()
+        tiers.on_reuse(bid)
+
+    pool.on_reuse = on_reuse
+    opener = threading.Thread(target=lambda: (entered.wait(300), events.append("gate opened"), gate.set()))
+    opener.start()
+    got = pool.allocate(4)  # the last one is b: its old bytes reach the RAM tier before anything may write it
+    events.append("allocated")
+    opener.join()
+    assert got[-1] == b and events == ["gate opened", ("copied", b), "allocated"]
+    assert ram.get(b"k" * 16) == store[b] and tiers.reuse_waits == 1 and tiers.sync_copies == 0
+    assert readers == ["kv-tier-ram"]
+    tiers.close()
 
 
 def test_ram_tier_budget_is_lru():

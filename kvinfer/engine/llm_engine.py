@@ -369,6 +369,12 @@ class LLMEngine:
 
     def step_core(self) -> list[CoreOutput]:
         """Schedule, run the model, sample; token-level outputs of the requests that got tokens."""
+        outs = self._step_core()
+        if self.kv_tiers is not None:  # the blocks freed by this step may be next to go: copied off this thread
+            self.kv_manager.copy_ahead()
+        return outs
+
+    def _step_core(self) -> list[CoreOutput]:
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         spec = self.speculator is not None
         if spec:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class BlockPool:
         # Called with (block id, hash) as a cached block is evicted, while its K/V are still intact (a tier below
         # the pool copies them).
         self.on_evict: Optional[Callable[[int, bytes], None]] = None
+        # Called with the block id of every free block about to be handed out, before anything reads or writes it
+        # (the RAM tier waits there for a copy of it still in progress).
+        self.on_reuse: Optional[Callable[[int], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,6 +72,8 @@ class BlockPool:
         for _ in range(n):
             bid, _ = self.free_queue.popitem(last=False)
             blk = self.blocks[bid]
+            if self.on_reuse is not None:
+                self.on_reuse(bid)
             if blk.block_hash is not None:
                 if self.cached.get(blk.block_hash) == bid:
                     del self.cached[blk.block_hash]
@@ -77,6 +83,15 @@ class BlockPool:
                 self.num_evictions += 1
             blk.ref_cnt = 1
             out.append(bid)
+        return out
+
+    def next_evictions(self, n: int) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the cached blocks among the next n free blocks allocate() will hand out."""
+        out = []
+        for bid in itertools.islice(self.free_queue, n):
+            h = self.blocks[bid].block_hash
+            if h is not None and self.cached.get(h) == bid:
+                out.append((bid, h))
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

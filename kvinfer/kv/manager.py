@@ -38,11 +38,19 @@ class PagedKVManager:
         """Tiers below the pool: evicted blocks go there, prefix misses are looked up there."""
         self.tiers = tiers
         self.pool.on_evict = tiers.on_evict
+        if tiers.ahead:
+            self.pool.on_reuse = tiers.on_reuse
 
     def after_step(self) -> None:
         """The blocks registered for the step just run now hold their K/V: the tiers may copy them."""
         blocks = self.pool.blocks
         self.tiers.after_step(lambda bid, h: blocks[bid].block_hash == h and blocks[bid].ref_cnt > 0)
+
+    def copy_ahead(self) -> None:
+        """After a step (its finished requests' blocks freed): the RAM tier's worker copies the cached blocks the
+        next steps may evict, while they compute."""
+        if self.tiers is not None and self.tiers.ahead:
+            self.tiers.copy_ahead(self.pool.next_evictions(self.tiers.ahead))
 
     def _roles(self, req: Request, i: int) -> Optional[int]:
         if not self.prompt_roles:

@@ -71,6 +71,17 @@ def cache_fingerprint(config, loaded, cache, prompt_route: bool) -> bytes:
     return fingerprint(parts)
 
 
+def copy_ahead_blocks(config, block_bytes: int) -> int:
+    """How many blocks at the head of the pool's free queue the RAM tier copies ahead of their eviction: what two
+    steps can allocate (a step's token budget in blocks, plus a block per sequence), at most a quarter of the RAM
+    tier (those copies are also still in the pool). 0: none, every eviction copies on the spot."""
+    if not config.kv_offload_memory:
+        return 0
+    bs = config.block_size
+    per_step = -(-config.max_num_batched_tokens // bs) + config.max_num_seqs
+    return min(2 * per_step, config.kv_offload_memory // block_bytes // 4)
+
+
 def make_tiers(config, loaded, cache, manager, prompt_route: bool, one_rank: bool = True) -> Optional[KVTiers]:
     """The tiers the flags ask for, attached to the manager (None if none); a disk directory that cannot be used is
     refused; an unreachable Redis is logged (it may come up later). Paged caches with prefix caching only: the tiers are keyed by the prefix cache's hashes."""
@@ -91,7 +102,7 @@ def make_tiers(config, loaded, cache, manager, prompt_route: bool, one_rank: boo
     if not tiers:
         return None
     read, write = block_copier(cache)
-    out = KVTiers(fp, nbytes, read, write, tiers)
+    out = KVTiers(fp, nbytes, read, write, tiers, ahead=copy_ahead_blocks(config, nbytes))
     manager.attach_tiers(out)
     log.info("KV tiers below the pool: %s (%d bytes per block)", out.describe(), nbytes)
     return out

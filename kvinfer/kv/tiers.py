@@ -114,7 +114,8 @@ class Tier:
 
 
 class RamTier(Tier):
-    """Blocks evicted from the pool, in process memory up to a byte budget, least recently used dropped first."""
+    """Blocks evicted from the pool, in process memory up to a byte budget, least recently used dropped first.
+    Filled by the copy-ahead thread and read by the engine's thread: each call holds a lock."""
 
     name = "ram"
 
@@ -123,33 +124,45 @@ class RamTier(Tier):
         self.budget = budget
         self.used = 0
         self.blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: bytes):
-        payload = self.blocks.get(key)
-        if payload is not None:
-            self.blocks.move_to_end(key)
-        return payload
+        with self._lock:
+            payload = self.blocks.get(key)
+            if payload is not None:
+                self.blocks.move_to_end(key)
+            return payload
 
     def contains(self, key: bytes) -> bool:
         return key in self.blocks
 
+    def touch(self, key: bytes) -> bool:
+        """Mark a held block as the most recently used one; False if the tier does not hold it."""
+        with self._lock:
+            if key not in self.blocks:
+                return False
+            self.blocks.move_to_end(key)
+            return True
+
     def held(self) -> Optional[tuple[int, int]]:
-        return len(self.blocks), self.used
+        with self._lock:
+            return len(self.blocks), self.used
 
     def put(self, key: bytes, payload) -> None:
         n = len(payload)
         if n > self.budget:
             return
-        old = self.blocks.pop(key, None)
-        if old is not None:
-            self.used -= len(old)
-        while self.used + n > self.budget:
-            _, dropped = self.blocks.popitem(last=False)
-            self.used -= len(dropped)
-            self.stats.evictions += 1
-        self.blocks[key] = payload
-        self.used += n
-        self.stats.bytes_out += n
+        with self._lock:
+            old = self.blocks.pop(key, None)
+            if old is not None:
+                self.used -= len(old)
+            while self.used + n > self.budget:
+                _, dropped = self.blocks.popitem(last=False)
+                self.used -= len(dropped)
+                self.stats.evictions += 1
+            self.blocks[key] = payload
+            self.used += n
+            self.stats.bytes_out += n
 
 
 def file_identity(path: Optional[Path]) -> bytes:
@@ -182,7 +195,10 @@ def fingerprint(parts: dict) -> bytes:
 class KVTiers:
     """The tiers below one pool, in lookup order, and the traffic between them and the pool.
 
-    - on_evict: a cached block leaving the pool is copied to the RAM tier (if any) before it is overwritten.
+    - copy_ahead / on_reuse / on_evict: the cached blocks the pool will hand out next (the head of its free queue)
+      are copied to the RAM tier (if any) by a worker thread, while the engine computes; a block still being
+      copied is only handed out once its copy has finished (on_reuse waits), and a cached block evicted without a
+      copy made ahead (the worker's queue was full) is copied on the spot (on_evict) before it is overwritten.
     - computed: a newly computed full block is written through to the persistent tiers (disk, Redis) by a
       background thread, from a copy taken after the step that computed it.
     - restore: a prefix the pool misses is fetched from the first tier holding each block, as far as the
@@ -191,7 +207,7 @@ class KVTiers:
 
     def __init__(self, fp: bytes, block_bytes: int, read_block: Callable[[int], bytes],
                  write_block: Callable[[int, object], None], tiers: Sequence[Tier],
-                 max_pending_bytes: int = 256 << 20):
+                 max_pending_bytes: int = 256 << 20, ahead: int = 0):
         self.fingerprint = fp
         self.block_bytes = block_bytes
         self.read_block = read_block
@@ -210,13 +226,67 @@ class KVTiers:
         if self.persistent:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
+        # The RAM tier's copies ahead of eviction: up to `ahead` blocks from the head of the pool's free queue,
+        # queued to a worker thread (a bounded queue); block id -> event set once its copy is done.
+        self.ahead = ahead if self.ram is not None else 0
+        self._ram_pending: dict[int, threading.Event] = {}
+        self._ram_queue: queue.Queue = queue.Queue(maxsize=max(self.ahead, 1))
+        self.copies_ahead = 0  # evicted-block copies the worker made ahead
+        self.sync_copies = 0  # copies made on the spot at eviction, on the engine's thread (none was made ahead)
+        self.reuse_waits = 0  # blocks whose reuse waited for their copy to finish
+        self._copier: Optional[threading.Thread] = None
+        if self.ahead:
+            self._copier = threading.Thread(target=self._copy_loop, name="kv-tier-ram", daemon=True)
+            self._copier.start()
 
     # ---- the pool's hooks ---------------------------------------------------------------
+    def copy_ahead(self, candidates: Sequence[tuple[int, bytes]]) -> None:
+        """Queue copies to the RAM tier of the cached blocks the pool hands out next ((block id, hash), the next
+        first); called on the engine's thread between steps. The worker copies them while the engine computes."""
+        for bid, key in candidates:
+            if bid in self._ram_pending or self.ram.contains(key):
+                continue
+            ev = threading.Event()
+            self._ram_pending[bid] = ev
+            try:
+                self._ram_queue.put_nowait((bid, key, ev))
+            except queue.Full:  # the worker is behind: these blocks get copied at eviction instead
+                del self._ram_pending[bid]
+                return
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self._ram_queue.get()
+            if item is None:
+                self._ram_queue.task_done()
+                return
+            bid, key, ev = item
+            try:
+                if not self.ram.contains(key):
+                    self.ram.put(key, self.read_block(bid))
+                    self.copies_ahead += 1
+            except Exception as e:  # noqa: BLE001 - a tier may only save work, never fail a step
+                self.ram.stats.errors += 1
+                log.warning("KV ram tier: could not copy a block: %s", e)
+            finally:
+                if self._ram_pending.get(bid) is ev:
+                    del self._ram_pending[bid]
+                ev.set()
+                self._ram_queue.task_done()
+
+    def on_reuse(self, block_id: int) -> None:
+        """The pool is about to hand out this free block: a copy of it still in progress finishes first."""
+        ev = self._ram_pending.get(block_id)
+        if ev is not None:
+            self.reuse_waits += 1
+            ev.wait()
+
     def on_evict(self, block_id: int, key: bytes) -> None:
-        if self.ram is None or self.ram.contains(key):
+        if self.ram is None or self.ram.touch(key):  # copied ahead: it now lives in the RAM tier only
             return
         try:
             self.ram.put(key, self.read_block(block_id))
+            self.sync_copies += 1
         except Exception as e:  # noqa: BLE001 - a tier may only save work, never fail a step
             self.ram.stats.errors += 1
             log.warning("KV ram tier: could not copy an evicted block: %s", e)
@@ -270,11 +340,16 @@ class KVTiers:
             return self._queued_bytes
 
     def flush(self) -> None:
-        """Wait until every queued block has been written (tests, shutdown)."""
+        """Wait until every queued block has been written and every queued RAM copy made (tests, shutdown)."""
+        if self._copier is not None:
+            self._ram_queue.join()
         if self._writer is not None:
             self._queue.join()
 
     def close(self) -> None:
+        if self._copier is not None and self._copier.is_alive():
+            self._ram_queue.put(None)
+            self._copier.join()
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
