@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # The web page tests drive Debian's chromium, headless; `make test` installs it when it is missing.
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: run test bench clean browser
+.PHONY: run test test-fast bench clean browser
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,10 @@ browser:
 	@[ -x $(CHROMIUM) ] || { echo "installing chromium with apt-get (for the web page tests)"; \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends chromium fonts-dejavu-core; } >/dev/null || echo "could not install chromium"; }
+
+# The fast tier: everything but the tests tests/slow.txt names (under 2 minutes on 2 cores).
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "not slow"
 
 # The figures README's Benchmarks section cites, each header naming the machine (about 7 minutes on 2 cores).
 # llama.cpp peers: LLAMA_BENCH=path/to/llama-bench LLAMA_SERVER=path/to/llama-server make bench

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+# The tests `pytest -m "not slow"` leaves out (the fast tier): tests/slow.txt, written by scripts/slow_tests.py from
+# a full run's durations. `make test` runs everything.
+_SLOW = frozenset(line.strip() for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in _SLOW:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
