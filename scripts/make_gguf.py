@@ -9,6 +9,9 @@ real model's. Weights are normal * 0.02 (norms 1), small enough that activations
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are written directly with the gguf package; any other type
 (Q4_K_M, Q6_K, IQ4_XS, ...) is written as F16 (Q8_0 above 2B parameters) and converted by llama.cpp's
 llama-quantize (--llama-quantize, $LLAMA_QUANTIZE or /work/llama/build/bin/llama-quantize).
+Mixture-of-experts shapes (qwen3moe) are written as llama.cpp's converter writes Qwen3-MoE: the router
+ffn_gate_inp [experts, hidden] in F32 (llama-quantize leaves it so), and each projection of every expert stacked
+in one 3-D tensor ffn_gate_exps / ffn_up_exps [experts, ffn, hidden], ffn_down_exps [experts, hidden, ffn].
 """
 from __future__ import annotations
 
@@ -31,7 +34,13 @@ SHAPES = {
     "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 128, 3072, True, 1000000.0, False),
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, True, 1000000.0, True),
     "llama-3.1-8b": ("llama", 4096, 32, 32, 8, 128, 14336, False, 500000.0, False),
+    # Qwen3-MoE (arch qwen3moe): ffn is each expert's width; MOE gives the expert count and top-k.
+    "tiny-qwen3moe": ("qwen3moe", 64, 2, 4, 2, 32, 32, True, 1000000.0, False),
+    "tiny-256-qwen3moe": ("qwen3moe", 256, 2, 4, 2, 64, 256, True, 1000000.0, False),  # K-quant blocks
+    "qwen3moe-small": ("qwen3moe", 1024, 16, 16, 4, 128, 768, True, 1000000.0, False),
 }
+# experts, experts used per token
+MOE = {"tiny-qwen3moe": (8, 2), "tiny-256-qwen3moe": (8, 2), "qwen3moe-small": (64, 8)}
 DIRECT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 DEFAULT_QUANTIZE = "/work/llama/build/bin/llama-quantize"
 
@@ -78,22 +87,32 @@ def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
         if bias:
             out += [(b + "attn_q.bias", (heads * hd,)), (b + "attn_k.bias", (kv * hd,)),
                     (b + "attn_v.bias", (kv * hd,))]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
-        out += [(b + "attn_output.weight", (h, heads * hd)), (b + "ffn_norm.weight", (h,)),
-                (b + "ffn_gate.weight", (ffn, h)), (b + "ffn_up.weight", (ffn, h)), (b + "ffn_down.weight", (h, ffn))]
+        out += [(b + "attn_output.weight", (h, heads * hd)), (b + "ffn_norm.weight", (h,))]
+        if shape in MOE:
+            e = MOE[shape][0]
+            out += [(b + "ffn_gate_inp.weight", (e, h)), (b + "ffn_gate_exps.weight", (e, ffn, h)),
+                    (b + "ffn_up_exps.weight", (e, ffn, h)), (b + "ffn_down_exps.weight", (e, h, ffn))]
+        else:
+            out += [(b + "ffn_gate.weight", (ffn, h)), (b + "ffn_up.weight", (ffn, h)),
+                    (b + "ffn_down.weight", (h, ffn))]
     out.append(("output_norm.weight", (h,)))
     if not tied:
         out.append(("output.weight", (vocab, h)))
     return out
 
 
-def _encode(a: np.ndarray, qtype: str):
+def name_is_router(name: str) -> bool:
+    return name.endswith("ffn_gate_inp.weight")
+
+
+def _encode(a: np.ndarray, qtype: str, name: str = ""):
     """(array to write, raw GGML type or None) for one tensor."""
     import gguf
     from gguf.quants import quantize
 
-    if a.ndim == 1 or qtype == "F32":
+    if a.ndim == 1 or qtype == "F32" or name_is_router(name):
         return a, None
     if qtype == "F16":
         return a.astype(np.float16), None
@@ -127,6 +146,10 @@ def write_direct(out: Path, shape: str, qtype: str, seed: int = 0, tokenizer_fro
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-6 if arch.startswith("qwen") else 1e-5)
     w.add_vocab_size(vocab)
+    if shape in MOE:
+        w.add_expert_count(MOE[shape][0])
+        w.add_expert_used_count(MOE[shape][1])
+        w.add_expert_feed_forward_length(ffn)
     w.add_file_type({"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9,
                      "Q8_0": 7}[qtype])
     add_entries(w, tok)
@@ -134,13 +157,14 @@ def write_direct(out: Path, shape: str, qtype: str, seed: int = 0, tokenizer_fro
     shapes = tensor_shapes(shape, vocab)
     # Shapes and types first (the header), then each tensor generated, encoded and written in turn.
     for name, shp in shapes:
-        probe, raw = _encode(np.zeros((1, shp[-1]) if len(shp) == 2 else shp, np.float32), qtype)
+        probe, raw = _encode(np.zeros((1, shp[-1]) if len(shp) > 1 else shp, np.float32), qtype, name)
         if raw is None:
             nbytes = int(np.prod(shp)) * probe.dtype.itemsize
             w.add_tensor_info(name, shp, probe.dtype, nbytes)
         else:
             row = probe.nbytes
-            w.add_tensor_info(name, (shp[0], row), np.dtype(np.uint8), shp[0] * row, raw_dtype=raw)
+            rows = int(np.prod(shp[:-1]))
+            w.add_tensor_info(name, (*shp[:-1], row), np.dtype(np.uint8), rows * row, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -150,7 +174,7 @@ def write_direct(out: Path, shape: str, qtype: str, seed: int = 0, tokenizer_fro
         else:
             a = rng.standard_normal(shp, dtype=np.float32)
             a *= 0.02
-        w.write_tensor_data(_encode(a, qtype)[0])
+        w.write_tensor_data(_encode(a, qtype, name)[0])
     w.close()
     return out
 
@@ -168,10 +192,9 @@ def make(out: Path, shape: str, qtype: str, seed: int = 0, llama_quantize: str |
     if qtype in DIRECT:
         return write_direct(out, shape, qtype, seed)
     tool = find_quantize(llama_quantize)
-    _, h, n, heads, kv, hd, ffn, tied, _, _ = SHAPES[shape] if shape in SHAPES else (None,) * 10
-    if h is None:
+    if shape not in SHAPES:
         raise MakeGGUFError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
-    params = n * (h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * ffn)
+    params = sum(int(np.prod(shp)) for name, shp in tensor_shapes(shape, 0) if name.startswith("blk."))
     via = "F16" if params < 2e9 else "Q8_0"
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = write_direct(Path(tmp) / "src.gguf", shape, via, seed)

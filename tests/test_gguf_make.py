@@ -61,3 +61,60 @@ def test_k_quant_mix_through_llama_quantize(tmp_path):
     assert {"Q4_K", "Q6_K"} <= set(ck.tensor_types.values())
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     assert torch.isfinite(step_logits(loaded, [1, 2, 3], [4], "paged")).all()
+
+
+def _moe_step_is_row_invariant(moe, hidden: int) -> None:
+    """The loaded MoE layer over a step of rows gives each row the bits it gets alone, in any row order."""
+    x = torch.randn(19, hidden, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        together = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(8))
+        shuffled = moe(x[perm])
+    assert torch.equal(together, alone)
+    assert torch.equal(shuffled, together[perm])
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+def test_tiny_moe_file_loads_and_runs(tmp_path, qtype):
+    from kvinfer.layers.moe import MoE
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    shape = "tiny-qwen3moe"
+    path = make_gguf.make(tmp_path / "m.gguf", shape, qtype)
+    arch, h, n, heads, kv, hd, ffn, tied, _, _ = make_gguf.SHAPES[shape]
+    experts, top_k = make_gguf.MOE[shape]
+    meta = read_metadata(path)
+    assert meta["general.architecture"] == "qwen3moe"
+    assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"]) == (experts, top_k)
+    ck = read_gguf(path)
+    c = ck.config
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", experts,
+                                                                                              top_k, ffn)
+    assert ck.tensor_types["model.layers.0.mlp.gate.weight"] == "F32"  # the router, as llama.cpp's converter
+    kinds = {t for name, t in ck.tensor_types.items() if ".experts." in name}
+    assert kinds == {qtype}
+    assert len([k for k in ck.tensors if k.startswith("model.layers.1.mlp.experts.")]) == 3 * experts
+    w = ck.tensors[f"model.layers.1.mlp.experts.{experts - 1}.down_proj.weight"]
+    assert tuple(w.shape) == (h, ffn) and 0.015 < w.float().std().item() < 0.025
+    loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    moe = loaded.model.layers[1].mlp
+    assert isinstance(moe, MoE) and len(moe.experts) == experts and moe.top_k == top_k
+    assert isinstance(moe.experts[0].down, QuantLinear) == (qtype == "Q8_0")
+    logits = step_logits(loaded, loaded.tokenizer.encode("Hello there"), [5, 6], "paged")
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    _moe_step_is_row_invariant(moe, h)
+
+
+@pytest.mark.skipif(not Path(make_gguf.DEFAULT_QUANTIZE).is_file(), reason=f"{make_gguf.DEFAULT_QUANTIZE} is not built")
+def test_moe_k_quant_mix_through_llama_quantize(tmp_path):
+    """llama-quantize takes the file (its reader is llama.cpp's) and keeps the router float; the experts stay in
+    their K-quant types in kvinfer, and the grouped step is row-invariant on them."""
+    path = make_gguf.make(tmp_path / "k.gguf", "tiny-256-qwen3moe", "Q4_K_M")
+    ck = read_gguf(path)
+    kinds = {t for name, t in ck.tensor_types.items() if ".experts." in name}
+    assert kinds <= {"Q4_K", "Q6_K"} and "Q4_K" in kinds
+    assert ck.tensor_types["model.layers.0.mlp.gate.weight"] == "F32"
+    loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    assert torch.isfinite(step_logits(loaded, [1, 2, 3], [4], "paged")).all()
+    _moe_step_is_row_invariant(loaded.model.layers[0].mlp, 256)
