@@ -118,3 +118,55 @@ def test_moe_k_quant_mix_through_llama_quantize(tmp_path):
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     assert torch.isfinite(step_logits(loaded, [1, 2, 3], [4], "paged")).all()
     _moe_step_is_row_invariant(loaded.model.layers[0].mlp, 256)
+
+
+def _moe_reference(moe, x: torch.Tensor) -> torch.Tensor:
+    """The MoE layer as first written: each expert's rows gathered and run through the module, scaled by their
+    weights, written to their (row, rank) slots, a row's experts summed in rank order."""
+    from kvinfer.layers.moe import route
+
+    n, h = x.shape
+    weights, experts = route(moe.router(x), moe.top_k, moe.renormalise)
+    weights = weights.reshape(-1, 1)
+    flat = experts.reshape(-1)
+    picked = x.new_empty(n * moe.top_k, h)
+    for e in range(moe.num_experts):
+        idx = (flat == e).nonzero().flatten()
+        if len(idx):
+            picked[idx] = moe.experts[e](x[idx // moe.top_k]) * weights[idx]
+    picked = picked.view(n, moe.top_k, h)
+    out = picked[:, 0]
+    for r in range(1, moe.top_k):
+        out = out + picked[:, r]
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_moe_step_equals_the_reference_layer_and_keeps_prompt_roles(tmp_path, qtype):
+    """The grouped step (kernel calls made directly, outputs written in place) gives the module-by-module
+    reference's bits, for one row and for many; under prompt spans (the runner's prompt rows) each expert sees
+    its own rows' roles, and the bits stay those of the step without spans where the prompt route is off."""
+    from kvinfer.layers.quant_linear import prompt_route_on, prompt_rows
+
+    path = make_gguf.make(tmp_path / "m.gguf", "tiny-qwen3moe", qtype)
+    loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    moe = loaded.model.layers[0].mlp
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        for rows in (x[:1], x[3:4], x):
+            assert torch.equal(moe(rows), _moe_reference(moe, rows))
+        with prompt_rows([(0, 7), (12, 21)]):
+            spanned = moe(x)
+        plain = moe(x)
+    if not prompt_route_on():
+        assert torch.equal(spanned, plain)
+    assert torch.isfinite(spanned).all()
+
+
+def test_prompt_spans_map_to_each_experts_rows():
+    from kvinfer.layers.moe import _row_roles, _spans_of
+
+    roles = _row_roles([(1, 3), (5, 6)], 7)
+    assert roles == [False, True, True, False, False, True, False]
+    assert _spans_of([roles[i] for i in (0, 2, 5, 6)]) == [(1, 3)]
+    assert _spans_of([True, True]) == [(0, 2)] and _spans_of([False]) == []

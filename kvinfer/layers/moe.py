@@ -7,6 +7,7 @@ from torch import nn
 
 from kvinfer import kernels
 from kvinfer.layers.mlp import SwiGLU
+from kvinfer.layers.quant_linear import KernelLinear, QuantLinear, current_prompt_spans, prompt_rows
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,25 +41,92 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, h = x.shape
-        weights, experts = route(self.router(x), self.top_k, self.renormalise)  # [tokens, top_k]
-        weights = weights.to(x.dtype).reshape(-1, 1)  # [tokens * top_k, 1]
+        k = self.top_k
+        weights, experts = route(self.router(x), k, self.renormalise)  # [tokens, top_k]
         flat = experts.reshape(-1)  # entry i: row i // top_k, rank i % top_k
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)  # by expert, then by row
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        picked = x.new_empty(n * self.top_k, h)  # [tokens * top_k, hidden]: each row's expert outputs by rank
+        # One row (a single-stream decode step): every expert takes x itself; else the rows gathered once, in
+        # expert order, each expert reading its run.
+        xs = x if n == 1 else x.index_select(0, order // k)
+        spans = current_prompt_spans()
+        roles = _row_roles(spans, n) if spans else None
+        src = (order // k).tolist() if roles is not None else None
+        out = x.new_empty(n * k, h)  # each expert's outputs for its rows, in expert order
+        bi, threads = kernels.batch_invariant(), torch.get_num_threads()
         start = 0
         for e, c in enumerate(counts):
             if c:
-                idx = order[start:start + c]  # every (row, rank) that chose expert e
-                picked[idx] = self.experts[e](x[idx // self.top_k]) * weights[idx]
+                xe = xs if n == 1 else xs[start:start + c]
+                if roles is None:
+                    _swiglu_into(self.experts[e], xe, out[start:start + c], bi, threads)
+                else:  # the prompt rows among the expert's rows, as spans of its run
+                    with prompt_rows(_spans_of([roles[i] for i in src[start:start + c]])):
+                        out[start:start + c] = self.experts[e](xe)
                 start += c
-        picked = picked.view(n, self.top_k, h)
-        out = picked[:, 0]
-        for r in range(1, self.top_k):
-            out = out + picked[:, r]
+        picked = torch.empty_like(out).index_copy_(0, order, out)  # [tokens * top_k, hidden]: by row, then rank
+        picked.mul_(weights.to(x.dtype).reshape(-1, 1))
+        picked = picked.view(n, k, h)
+        acc = picked[:, 0] if k == 1 else picked[:, 0] + picked[:, 1]  # a row's experts summed in rank order
+        for r in range(2, k):
+            acc += picked[:, r]
         if self.shared is not None:
-            out = out + _sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+            acc = acc + _sigmoid(self.shared_gate(x)) * self.shared(x)
+        return acc
+
+
+def _swiglu_into(mlp: SwiGLU, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, threads: int) -> None:
+    """out[:] = mlp(x) (out: a contiguous run of rows). Where gate_up and down are kernel matmuls that
+    QuantLinear.forward / KernelLinear.forward would run, the same kernel calls are made here directly, the down
+    projection written straight into out: the same bits, without the module calls and the copy."""
+    if mlp.activation == "silu" and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous():
+        gu = x.new_empty(len(x), 2 * mlp.inter)
+        if _linear_into(mlp.gate_up, x, gu, batch_invariant, threads):
+            act = kernels.silu_mul(gu, mlp.inter)
+            if act is not None and _linear_into(mlp.down, act, out, batch_invariant, threads):
+                return
+    out.copy_(mlp(x))
+
+
+def _linear_into(lin: nn.Module, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, threads: int) -> bool:
+    """out = lin(x) by the kernel call lin's forward would make (x float32 CPU contiguous); False (nothing
+    written) where its forward would take another route."""
+    if isinstance(lin, QuantLinear):
+        if not (batch_invariant or len(x) <= lin.kernel_max_rows):
+            return False
+        kern = lin._kernel if lin._kernel is not None or lin._kernel_checked else None
+        if kern is None and not lin._kernel_checked and lin.uses_kernel():
+            kern = lin._kernel
+    elif isinstance(lin, KernelLinear):
+        if not (batch_invariant and lin._kernel_checked):
+            return False
+        kern = lin._kernel
+    else:
+        return False
+    if kern is None or x.shape[1] != lin.in_features:
+        return False
+    kern.run(x.data_ptr(), len(x), out.data_ptr(), threads)
+    return True
+
+
+def _row_roles(spans, n: int) -> list[bool]:
+    """Whether each of a step's n rows is a prompt row (prompt_rows' spans)."""
+    roles = [False] * n
+    for a, b in spans:
+        roles[a:b] = [True] * (b - a)
+    return roles
+
+
+def _spans_of(roles: list[bool]) -> list[tuple[int, int]]:
+    """The runs of True in roles as [start, end) spans."""
+    out, start = [], None
+    for i, r in enumerate(roles + [False]):
+        if r and start is None:
+            start = i
+        elif not r and start is not None:
+            out.append((start, i))
+            start = None
+    return out
 
 
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
