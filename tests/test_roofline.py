@@ -45,6 +45,7 @@ def test_read_bandwidth_is_a_positive_rate_and_refuses_nonsense():
 def test_bench_decode_reports_each_engine_against_the_roofline(tmp_path, capsys, monkeypatch):
     import importlib.util
     from pathlib import Path
+    from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
     make_gguf = importlib.util.module_from_spec(spec)
@@ -65,3 +66,23 @@ def test_bench_decode_reports_each_engine_against_the_roofline(tmp_path, capsys,
     assert "memory roofline:" in text and "kvinfer " in text.split("memory roofline:")[1]
     assert main(argv + ["--no-roofline"]) == 0
     assert "memory roofline" not in capsys.readouterr().out
+
+
+def test_moe_bytes_count_the_experts_a_token_uses(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from kvinfer.loaders.dequant import nbytes_for
+    from kvinfer.loaders.gguf_loader import _File
+
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    path = mg.make(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q8_0")
+    experts, used = mg.MOE["tiny-qwen3moe"]
+    f = _File(path, with_tensors=True)
+    sizes = {i.name: nbytes_for(i.type_id, i.shape) for i in f.infos}
+    f.close()
+    exps = sum(v for k, v in sizes.items() if "_exps." in k)
+    assert exps > 0
+    assert roofline.weight_bytes_per_token(path) == sum(sizes.values()) - exps + exps * used // experts

@@ -4,7 +4,8 @@ prints each engine's decode as a share of that bound.
 
 Bytes per token are counted from the GGUF file, the same for every engine: every tensor but the token embedding
 (a step gathers one of its rows), which is counted too where the file has no output.weight (the head is the
-embedding then, read whole). The read bandwidth is measured here: the best of a few passes summing a buffer far
+embedding then, read whole). Stacked expert tensors (`*_exps`) count for the experts a token uses: expert_used_count
+of expert_count of their bytes. The read bandwidth is measured here: the best of a few passes summing a buffer far
 larger than the caches, with the benchmark's threads, before the rounds and after each (a shared machine's
 bandwidth moves with its neighbours' load)."""
 from __future__ import annotations
@@ -23,8 +24,11 @@ BANDWIDTH_PASSES = 5
 def weight_bytes_per_token(path: Path) -> int:
     """Bytes of the file's tensors a one-token decode step reads (see the module's docstring)."""
     from kvinfer.loaders.dequant import nbytes_for
-    from kvinfer.loaders.gguf_loader import _File
+    from kvinfer.loaders.gguf_loader import _File, read_metadata
 
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture", "")
+    experts, used = meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count")
     f = _File(path, with_tensors=True)
     try:
         infos = list(f.infos)
@@ -36,7 +40,8 @@ def weight_bytes_per_token(path: Path) -> int:
     for i in infos:
         if i.name == "token_embd.weight" and not tied:
             continue
-        total += nbytes_for(i.type_id, i.shape)
+        n = nbytes_for(i.type_id, i.shape)
+        total += n * used // experts if experts and used and "_exps." in i.name else n
     return total
 
 
