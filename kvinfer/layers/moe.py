@@ -53,17 +53,18 @@ class MoE(nn.Module):
         roles = _row_roles(spans, n) if spans else None
         src = (order // k).tolist() if roles is not None else None
         out = x.new_empty(n * k, h)  # each expert's outputs for its rows, in expert order
-        bi, threads = kernels.batch_invariant(), torch.get_num_threads()
+        runs = []  # (expert, start, rows)
         start = 0
         for e, c in enumerate(counts):
             if c:
-                xe = xs if n == 1 else xs[start:start + c]
-                if roles is None:
-                    _swiglu_into(self.experts[e], xe, out[start:start + c], bi, threads)
-                else:  # the prompt rows among the expert's rows, as spans of its run
-                    with prompt_rows(_spans_of([roles[i] for i in src[start:start + c]])):
-                        out[start:start + c] = self.experts[e](xe)
+                runs.append((e, start, c))
                 start += c
+        if roles is not None:  # the prompt rows among each expert's rows, as spans of its run
+            for e, a, c in runs:
+                with prompt_rows(_spans_of([roles[i] for i in src[a:a + c]])):
+                    out[a:a + c] = self.experts[e](xs if n == 1 else xs[a:a + c])
+        else:
+            self._experts_into(xs, n, runs, out)
         picked = torch.empty_like(out).index_copy_(0, order, out)  # [tokens * top_k, hidden]: by row, then rank
         picked.mul_(weights.to(x.dtype).reshape(-1, 1))
         picked = picked.view(n, k, h)
@@ -75,17 +76,30 @@ class MoE(nn.Module):
         return acc
 
 
-def _swiglu_into(mlp: SwiGLU, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, threads: int) -> None:
-    """out[:] = mlp(x) (out: a contiguous run of rows). Where gate_up and down are kernel matmuls that
-    QuantLinear.forward / KernelLinear.forward would run, the same kernel calls are made here directly, the down
-    projection written straight into out: the same bits, without the module calls and the copy."""
-    if mlp.activation == "silu" and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous():
-        gu = x.new_empty(len(x), 2 * mlp.inter)
-        if _linear_into(mlp.gate_up, x, gu, batch_invariant, threads):
-            act = kernels.silu_mul(gu, mlp.inter)
-            if act is not None and _linear_into(mlp.down, act, out, batch_invariant, threads):
-                return
-    out.copy_(mlp(x))
+    def _experts_into(self, xs: torch.Tensor, n: int, runs: list, out: torch.Tensor) -> None:
+        """out[a:a + c] = experts[e](its rows) for each run (e, a, c). Where the experts' gate_up and down are
+        kernel matmuls that QuantLinear.forward / KernelLinear.forward would run, the same calls are made here
+        directly: every expert's gate_up into one buffer, one SwiGLU row pass over all of it (a row kernel: a
+        row's bits are its own), every down straight into out. The same bits as the modules, fewer calls."""
+        inter = self.experts[0].inter
+        if not (xs.dtype == torch.float32 and xs.is_cpu and xs.is_contiguous()
+                and all(self.experts[e].activation == "silu" for e, _, _ in runs)):
+            for e, a, c in runs:
+                out[a:a + c] = self.experts[e](xs if n == 1 else xs[a:a + c])
+            return
+        bi, threads = kernels.batch_invariant(), torch.get_num_threads()
+        gu = xs.new_empty(len(out), 2 * inter)
+        for e, a, c in runs:
+            xe = xs if n == 1 else xs[a:a + c]
+            if not _linear_into(self.experts[e].gate_up, xe, gu[a:a + c], bi, threads):
+                gu[a:a + c] = self.experts[e].gate_up(xe)
+        act = kernels.silu_mul(gu, inter)
+        if act is None:
+            gate, up = gu.split(inter, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+        for e, a, c in runs:
+            if not _linear_into(self.experts[e].down, act[a:a + c], out[a:a + c], bi, threads):
+                out[a:a + c] = self.experts[e].down(act[a:a + c])
 
 
 def _linear_into(lin: nn.Module, x: torch.Tensor, out: torch.Tensor, batch_invariant: bool, threads: int) -> bool:
