@@ -811,47 +811,28 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
         const uint8_t *sb = gp + s * sbb;
         for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
         kc_vi W[8];
-        if (qt == QT_Q3_K) { /* q = (2 bits of qs | the hmask bit << 2) - 4, then as Q6_K */
-            const kc_vf vd = kc_half(sb + KC3_D);
-            const kc_vi four = kc_set1_8(4);
+        if (qt == QT_Q6_K || qt == QT_Q3_K) { /* 16-value sub-blocks of signed quants, no minimum */
+            const int q3 = qt == QT_Q3_K, sc = q3 ? KC3_SC : KC6_SC;
+            const kc_vf vd = kc_half(sb + (q3 ? KC3_D : KC6_D));
+            const kc_vi offset = kc_set1_8(q3 ? 4 : 32);
             for (int b8 = 0; b8 < 8; b8++) {
-                const int h = b8 >> 2, sh = 2 * (b8 & 3);
+                const int h = b8 >> 2, t = b8 & 3;
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k++) {
-                    const kc_vi lo = kc_loadi(sb + KC_R * (8 * h + k));
-                    const kc_vi hb = kc_loadi(sb + 16 * KC_R + KC_R * k);
-                    W[k] = kc_sub8(kc_or(kc_and(kc_srli16(lo, sh), m3), kc_slli16(kc_and(kc_srli16(hb, b8), one), 2)),
-                                   four);
+                    if (q3) { /* q = (2 bits of qs | the hmask bit << 2) - 4 */
+                        const kc_vi lo = kc_loadi(sb + KC_R * (8 * h + k));
+                        const kc_vi hb = kc_loadi(sb + 16 * KC_R + KC_R * k);
+                        W[k] = kc_or(kc_and(kc_srli16(lo, 2 * t), m3), kc_slli16(kc_and(kc_srli16(hb, b8), one), 2));
+                    } else { /* q = (4 bits of ql | 2 bits of qh << 4) - 32 */
+                        const kc_vi lo = kc_loadi(sb + KC_R * (16 * h + 8 * (t & 1) + k));
+                        const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * (8 * h + k));
+                        W[k] = kc_or(kc_and(kc_srli16(lo, 4 * (t >> 1)), m4), kc_slli16(kc_and(kc_srli16(hb, 2 * t), m3), 4));
+                    }
+                    W[k] = kc_sub8(W[k], offset);
                 }
                 const kc_vi s0 = kc_slli32(kc_dot(kc_ones, W, 0, 4), 15), s1 = kc_slli32(kc_dot(kc_ones, W, 4, 4), 15);
-                const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + KC3_SC + KC * (2 * b8)));
-                const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + KC3_SC + KC * (2 * b8 + 1)));
-#pragma GCC unroll 8
-                for (int r = 0; r < MT; r++) {
-                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
-                    const kc_vi D0 = kc_block(xr, W, 0, 4, s0), D1 = kc_block(xr, W, 4, 4, s1);
-                    const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
-                    acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
-                    acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
-                }
-            }
-            continue;
-        }
-        if (qt == QT_Q6_K) {
-            const kc_vf vd = kc_half(sb + KC6_D);
-            const kc_vi o32 = kc_set1_8(32);
-            for (int b8 = 0; b8 < 8; b8++) {
-                const int h = b8 >> 2, t = b8 & 3, p = t & 1, sh = 4 * (t >> 1);
-#pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {
-                    const kc_vi lo = kc_loadi(sb + KC_R * (16 * h + 8 * p + k));
-                    const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * (8 * h + k));
-                    W[k] = kc_sub8(kc_or(kc_and(kc_srli16(lo, sh), m4), kc_slli16(kc_and(kc_srli16(hb, 2 * t), m3), 4)),
-                                   o32);
-                }
-                const kc_vi s0 = kc_slli32(kc_dot(kc_ones, W, 0, 4), 15), s1 = kc_slli32(kc_dot(kc_ones, W, 4, 4), 15);
-                const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + KC6_SC + KC * (2 * b8)));
-                const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + KC6_SC + KC * (2 * b8 + 1)));
+                const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + sc + KC * (2 * b8)));
+                const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + sc + KC * (2 * b8 + 1)));
 #pragma GCC unroll 8
                 for (int r = 0; r < MT; r++) {
                     const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
