@@ -16,7 +16,8 @@ from kvinfer.utils import parse_size
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (positions / factor), 'llama3' (band-wise) or 'longrope' (per frequency)."""
+    """RoPE frequency scaling: 'linear' (positions / factor), 'llama3' (band-wise), 'longrope' (per frequency) or
+    'yarn' (interpolated below a band of frequencies, extrapolated above it)."""
 
     type: str
     factor: float = 1.0
@@ -25,7 +26,10 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length
     long_factor: tuple[float, ...] = ()  # longrope: beyond it
-    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: rotations over the original length above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: rotations below which it is divided by the factor
+    truncate: bool = True  # yarn: the band's ends rounded to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,25 @@ def _eos_tuple(v: Any) -> tuple[int, ...]:
     return (int(v),)
 
 
+def _yarn_parameters(rs: dict, d: dict, original: int) -> dict:
+    """YaRN's factor, attention factor and band, as transformers derives them from a config."""
+    factor = rs.get("factor") or d.get("max_position_embeddings", original) / original
+    if factor <= 0:
+        raise UnsupportedError(f"rope_scaling yarn needs a factor > 0, not {factor!r}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rs.get("attention_factor")
+    if attention is None:
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attention = mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
+        else:
+            attention = mscale(factor)
+    return dict(factor=float(factor), attention_factor=float(attention), beta_fast=float(rs.get("beta_fast") or 32),
+                beta_slow=float(rs.get("beta_slow") or 1), truncate=bool(rs.get("truncate", True)))
+
+
 def _rope_scaling(d: dict, rs: Optional[dict] = None) -> Optional[RopeScaling]:
     """d's RoPE scaling, or that of rs (one layer type's parameters, Gemma 3)."""
     if rs is None:
@@ -156,10 +179,14 @@ def _rope_scaling(d: dict, rs: Optional[dict] = None) -> Optional[RopeScaling]:
         return None
     if kind == "su":  # Phi-3's first name for longrope
         kind = "longrope"
-    if kind not in ("linear", "llama3", "longrope"):
-        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
-    original = rs.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or 8192
+    if kind not in ("linear", "llama3", "longrope", "yarn"):
+        raise UnsupportedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, "
+                               "yarn)")
+    original = rs.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or (
+        d.get("max_position_embeddings") if kind == "yarn" else None) or 8192
     kw = {}
+    if kind == "yarn":
+        kw = _yarn_parameters(rs, d, original)
     if kind == "longrope":
         # As transformers: the attention factor follows from how far the context was stretched, unless given.
         factor = rs.get("factor") or d.get("max_position_embeddings", original) / original
@@ -170,7 +197,7 @@ def _rope_scaling(d: dict, rs: Optional[dict] = None) -> Optional[RopeScaling]:
                   long_factor=tuple(float(x) for x in rs["long_factor"]), attention_factor=float(attention))
     return RopeScaling(
         type=kind,
-        factor=float(rs.get("factor") or 1.0),
+        factor=float(kw.pop("factor", rs.get("factor") or 1.0)),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),

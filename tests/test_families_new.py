@@ -196,7 +196,7 @@ def test_moe_total_and_active_parameters(ref_of):
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
           mlp_only_layers=[0]), "mlp_only_layers"),
-    (dict(model_type="phi3", rope_scaling={"type": "yarn", "factor": 2.0}), "rope_scaling type 'yarn'"),
+    (dict(model_type="phi3", rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling type 'dynamic'"),
     (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(model_type="gemma3_text", hidden_activation="relu"), "hidden_activation 'relu'"),
 ])

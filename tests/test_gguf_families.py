@@ -248,7 +248,7 @@ U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUF
                                                                      "ffn_down_exps")]),
      "dense layers among expert layers"),
     ("mixtral", dict(set_keys={"llama.expert_used_count": (9, U32)}), "num_experts_per_tok=9"),
-    ("gemma3", dict(set_keys={"gemma3.rope.scaling.type": ("yarn", STR)}), "rope_scaling type 'yarn'"),
+    ("gemma3", dict(set_keys={"gemma3.rope.scaling.type": ("dynamic", STR)}), "rope_scaling type 'dynamic'"),
     ("phi3", dict(drop_tensors=["rope_factors_short.weight"]), "without its pair"),
 ])
 def test_unsupported_files_are_one_line_errors(name, change, match, ref_of, tmp_path):

@@ -264,6 +264,21 @@ def test_rope_scaling_linear_and_eot(tiny_llama, tmp_path):
     assert ck.config.eos_token_ids == (2, 3)
 
 
+def test_rope_scaling_yarn_from_metadata_is_the_hf_configs(tiny_llama, tmp_path):
+    """A file whose metadata says yarn (as llama.cpp's converter writes a Qwen config with YaRN) gets the scaling
+    transformers derives from the same parameters: factor, original length, attention factor, band."""
+    _, cfg, state = tiny_llama
+    extra = [lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+             lambda w: w.add_rope_scaling_factor(4.0),
+             lambda w: w.add_rope_scaling_orig_ctx_len(256)]
+    ck = read_gguf(write_gguf(tmp_path / "yarn.gguf", "llama", cfg, state, extra=extra))
+    hf = model_config_from_hf(dict(cfg, model_type="llama", rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)))
+    assert ck.config.rope_scaling == hf.rope_scaling
+    assert ck.config.rope_scaling.type == "yarn" and ck.config.rope_scaling.original_max_position_embeddings == 256
+    assert ck.config.rope_scaling.attention_factor == pytest.approx(1 + 0.1 * math.log(4.0))
+
+
 def test_rope_scaling_llama3_from_rope_freqs(tiny_llama, tmp_path):
     _, cfg, state = tiny_llama
     cfg = dict(cfg, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})

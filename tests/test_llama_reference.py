@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -17,6 +18,10 @@ BACKENDS = ("none", "contiguous", "paged")
 # original_max_position_embeddings=32 puts head_dim 16's wavelengths (6 to ~20000) in all three llama3 bands.
 LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=32)
+# YaRN over a short original length and narrow beta band: head_dim 16's frequencies fall on both sides of the ramp
+# and inside it; the attention factor (1 + 0.1 ln 4) is derived, as transformers derives it.
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256, beta_fast=8.0,
+            beta_slow=0.5)
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),
     "gqa-tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
@@ -24,6 +29,7 @@ VARIANTS = {
     "rope-llama3": dict(num_key_value_heads=2, rope_parameters=LLAMA3),
     "rope-linear": dict(num_key_value_heads=2, rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
                                                                     factor=2.0)),
+    "rope-yarn": dict(num_key_value_heads=2, rope_parameters=YARN),
 }
 
 
@@ -65,9 +71,12 @@ def test_variants_are_what_they_claim(ref_of):
     assert not ref_of("mha")[2].config.tie_word_embeddings
     assert ref_of("rope-llama3")[2].config.rope_scaling.type == "llama3"
     assert ref_of("rope-linear")[2].config.rope_scaling.factor == 2.0
+    yarn = ref_of("rope-yarn")[2].config.rope_scaling
+    assert (yarn.type, yarn.factor, yarn.beta_fast, yarn.beta_slow) == ("yarn", 4.0, 8.0, 0.5)
+    assert yarn.attention_factor == pytest.approx(1 + 0.1 * math.log(4.0))
 
 
-@pytest.mark.parametrize("name", ["rope-llama3", "rope-linear"])
+@pytest.mark.parametrize("name", ["rope-llama3", "rope-linear", "rope-yarn"])
 def test_rope_scaling_matters(name, ref_of):
     """Guard against a vacuous pass: the same weights with plain RoPE give different logits."""
     import transformers
@@ -185,3 +194,22 @@ def test_unsupported_model_type_is_unsupported_error(tmp_path):
         LLM(str(tmp_path), dtype="float32")
     assert "'falcon'" in str(e.value)
     assert all(f in str(e.value) for f in FAMILIES)
+
+
+@pytest.mark.parametrize("params", [YARN, dict(YARN, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=32),
+                                    dict(YARN, attention_factor=0.9, truncate=False),
+                                    dict(YARN, mscale=1.0, mscale_all_dim=0.5)])
+def test_yarn_frequencies_and_attention_factor_are_transformers_bits(params):
+    """inv_freq bit for bit and the attention factor as transformers computes them, for each way of giving them."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvinfer.config import model_config_from_hf
+    from kvinfer.layers.rotary import rope_inv_freq
+
+    hf_cfg = transformers.LlamaConfig(**dict(TINY_LLAMA_LIKE, num_key_value_heads=2, rope_parameters=dict(params)))
+    want, want_attention = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    cfg = model_config_from_hf(hf_cfg.to_dict())
+    got = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.equal(got, want.float())
+    assert cfg.rope_scaling.attention_factor == pytest.approx(want_attention, rel=1e-12)

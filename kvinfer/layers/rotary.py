@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE) with 'linear', 'llama3' and 'longrope' frequency scaling, full or partial."""
+"""Rotary position embedding (RoPE) with 'linear', 'llama3', 'longrope' and 'yarn' frequency scaling, full or
+partial."""
 from __future__ import annotations
 
 import math
@@ -28,7 +29,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
         mid = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"unknown rope scaling {scaling.type}")
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original length are divided by the factor
+    (interpolated), those turning more than beta_fast times are kept (extrapolated), and a linear ramp over the
+    dimensions between blends the two."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-dimension band: a step instead of a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolated (kept), 0: interpolated (divided by the factor)
+    # theta^(2i/dim) divided into 1 here, not inv_freq reused, to give transformers' floats
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,6 +72,8 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
             cos, sin = freqs.cos(), freqs.sin()
+            if scaling is not None and scaling.type == "yarn":
+                cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._last_positions = self._last_dtype = self._last = None
