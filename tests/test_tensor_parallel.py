@@ -88,11 +88,13 @@ def test_head_counts_decide_the_sizes_that_work(builtin_model_path):
     assert kv_heads_per_rank(gqa, 4) == 1 and kv_heads_per_rank(gqa, 2) == 1  # replicated, then split
     with pytest.raises(ValidationError):
         check_tp_size(gqa, 3)  # 3 neither divides nor is a multiple of 2 KV heads
-    moe = cfg.replace(num_heads=12, num_kv_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
-    assert valid_sizes(moe) == [1]
-    with pytest.raises(ValidationError, match="mixture-of-experts model \\(8 experts\\)") as e:
-        check_tp_size(moe, 2)
-    assert "\n" not in str(e.value)
+    # Experts are dealt out whole: no more ranks than experts; the dense MLP width does not count.
+    moe = cfg.replace(num_heads=12, num_kv_heads=2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=256,
+                      intermediate_size=1000)
+    assert valid_sizes(moe) == [1, 2]
+    with pytest.raises(ValidationError, match="be at most the 3 experts") as e:
+        check_tp_size(moe, 4)
+    assert "\n" not in str(e.value) and "sizes that work for this model: 1, 2" in str(e.value)
 
 
 def test_gguf_split_inside_a_block_is_named():
@@ -391,3 +393,32 @@ def test_nccl_tp2_matches_tp1(tiny_dir, monkeypatch, exact):
     assert a.token_ids == b.token_ids
     # cuBLAS picks its kernels by shape, so even the exact route is not bitwise on CUDA
     assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+# ---- a mixture of experts with quantized experts, TP 2 through the engine -------------------------------------
+def test_moe_gguf_tp2_gives_tp1s_tokens_and_logprobs(tmp_path):
+    """Whole experts dealt out to the ranks (4 of 8 each): the engine's TP 2 answers bit for bit as TP 1, prompt
+    log-probs included, and each rank holds only its own experts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "scripts/make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    path = str(make_gguf.write_direct(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q8_0", seed=4))
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True, prompt_logprobs=1)
+    prompts = ["The sea is", "Count: one, two,"]
+    kw = dict(dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    ref = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        eng = llm.engine
+        moe = eng.loaded.model.layers[0].mlp
+        assert moe.owned == frozenset({0, 2, 4, 6}) and isinstance(moe.experts[1], torch.nn.Identity)
+        assert eng.loaded.quantized_modules > 0
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
+        assert a.prompt_logprobs == b.prompt_logprobs

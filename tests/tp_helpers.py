@@ -22,6 +22,12 @@ FAMILIES = {
     "bloom": dict(architecture="bloom", position="alibi", norm="layer", norm_bias=True, embedding_norm=True,
                   mlp="gelu", activation="gelu_tanh", qkv_bias=True, o_bias=True, mlp_bias=True,
                   tie_word_embeddings=True),
+    # Mixtures: experts dealt out whole (5 experts: 3, 2 at TP 2; 2, 2, 1 at TP 3), a shared expert replicated.
+    "qwen3_moe": dict(architecture="qwen3_moe", qk_norm=True, head_dim=16, num_kv_heads=1, num_experts=5,
+                      num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False),
+    "qwen2_moe": dict(architecture="qwen2_moe", qkv_bias=True, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=False, shared_expert_intermediate_size=40),
+    "mixtral": dict(architecture="mixtral", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=24),
 }
 # (family, tp, extra config): every family at both sizes, plus grouped KV heads split across ranks.
 CASES = [(f, tp, {}) for f in FAMILIES for tp in (2, 3)] + [("llama", 2, dict(num_kv_heads=2)),

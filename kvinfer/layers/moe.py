@@ -2,6 +2,8 @@
 and an optional gated shared expert (Qwen2-MoE / DeepSeek style)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -38,6 +40,10 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(num_experts))
         self.shared = SwiGLU(hidden, shared_inter) if shared_inter else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+        # Expert parallelism (kvinfer/parallel/shard.py): the experts this rank computes (None: every one), and the
+        # collective that gives every rank each (row, rank) slot from the one rank that computed it.
+        self.owned: Optional[frozenset] = None
+        self.combine_picked: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, h = x.shape
@@ -52,12 +58,15 @@ class MoE(nn.Module):
         spans = current_prompt_spans()
         roles = _row_roles(spans, n) if spans else None
         src = (order // k).tolist() if roles is not None else None
-        out = x.new_empty(n * k, h)  # each expert's outputs for its rows, in expert order
+        # each expert's outputs for its rows, in expert order; under expert parallelism the slots of experts other
+        # ranks compute stay zero, so that summing the ranks' copies gives each slot its one value exactly
+        out = x.new_empty(n * k, h) if self.owned is None else x.new_zeros(n * k, h)
         runs = []  # (expert, start, rows)
         start = 0
         for e, c in enumerate(counts):
             if c:
-                runs.append((e, start, c))
+                if self.owned is None or e in self.owned:
+                    runs.append((e, start, c))
                 start += c
         if roles is not None:  # the prompt rows among each expert's rows, as spans of its run
             for e, a, c in runs:
@@ -66,6 +75,8 @@ class MoE(nn.Module):
         else:
             self._experts_into(xs, n, runs, out)
         picked = torch.empty_like(out).index_copy_(0, order, out)  # [tokens * top_k, hidden]: by row, then rank
+        if self.combine_picked is not None:
+            picked = self.combine_picked(picked)
         picked.mul_(weights.to(x.dtype).reshape(-1, 1))
         picked = picked.view(n, k, h)
         acc = picked[:, 0] if k == 1 else picked[:, 0] + picked[:, 1]  # a row's experts summed in rank order
@@ -81,7 +92,9 @@ class MoE(nn.Module):
         kernel matmuls that QuantLinear.forward / KernelLinear.forward would run, the same calls are made here
         directly: every expert's gate_up into one buffer, one SwiGLU row pass over all of it (a row kernel: a
         row's bits are its own), every down straight into out. The same bits as the modules, fewer calls."""
-        inter = self.experts[0].inter
+        if not runs:
+            return
+        inter = self.experts[runs[0][0]].inter
         if not (xs.dtype == torch.float32 and xs.is_cpu and xs.is_contiguous()
                 and all(self.experts[e].activation == "silu" for e, _, _ in runs)):
             for e, a, c in runs:

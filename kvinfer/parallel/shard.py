@@ -13,14 +13,15 @@ from torch import nn
 from kvinfer.config import ModelConfig
 from kvinfer.errors import UnsupportedError, ValidationError
 from kvinfer.layers.mlp import SwiGLU
+from kvinfer.layers.moe import MoE
 from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 from kvinfer.loaders.dequant import block_info
 
 
 def _fits(cfg: ModelConfig, tp: int) -> bool:
     kv = cfg.num_kv_heads
-    if cfg.num_experts and tp > 1:  # experts are not sharded (yet)
-        return False
+    if cfg.num_experts:  # experts are dealt out to the ranks whole (every layer is a mixture: no dense MLP to split)
+        return tp <= cfg.num_experts and cfg.num_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
     return (cfg.num_heads % tp == 0 and cfg.intermediate_size % tp == 0
             and (kv % tp == 0 or tp % kv == 0))
 
@@ -33,14 +34,13 @@ def check_tp_size(cfg: ModelConfig, tp: int, param: str = "tensor_parallel_size"
     """A one-line error naming the head counts and the sizes that work."""
     if tp < 1:
         raise ValidationError(param, tp, "must be >= 1")
-    if tp > 1 and cfg.num_experts:
-        raise ValidationError(param, tp, f"must be 1 for a mixture-of-experts model ({cfg.num_experts} experts): "
-                                         "tensor parallelism does not shard experts yet")
     if not _fits(cfg, tp):
         sizes = ", ".join(map(str, valid_sizes(cfg)))
-        raise ValidationError(param, tp, f"must divide the {cfg.num_heads} attention heads and the "
-                                         f"{cfg.intermediate_size} MLP width, and divide or be a multiple of the "
-                                         f"{cfg.num_kv_heads} KV heads; sizes that work for this model: {sizes}")
+        width = (f"be at most the {cfg.num_experts} experts" if cfg.num_experts
+                 else f"divide the {cfg.intermediate_size} MLP width")
+        raise ValidationError(param, tp, f"must divide the {cfg.num_heads} attention heads, {width}, and divide or "
+                                         f"be a multiple of the {cfg.num_kv_heads} KV heads; sizes that work for "
+                                         f"this model: {sizes}")
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: int, param: str = "tensor_parallel_size") -> int:
@@ -124,6 +124,30 @@ class RowParallel(CollectiveModule):
         self.stats.allreduce_calls += 1
         self.stats.allreduce_bytes += y.numel() * y.element_size()
         return y if self.bias is None else y + self.bias
+
+
+class ExpertSum(CollectiveModule):
+    """Expert parallelism's one collective per layer: each (row, rank) slot of a step's expert outputs was
+    computed by exactly one rank and is zero on the others, so the all-reduce's sum is that value exactly, on every
+    rank, whatever order the sum takes. A row's experts are then weighted and summed in rank order, as at TP 1."""
+
+    def forward(self, picked: torch.Tensor) -> torch.Tensor:
+        picked = picked.contiguous()
+        self.stats.allreduce_s += self._timed(picked, lambda: dist.all_reduce(picked, group=self.group))
+        self.stats.allreduce_calls += 1
+        self.stats.allreduce_bytes += picked.numel() * picked.element_size()
+        return picked
+
+
+def shard_experts(moe: MoE, rank: int, tp: int, group, stats: CommStats) -> None:
+    """Rank r keeps experts r, r + tp, r + 2 tp, ... whole (the others' weights are dropped); the router and a
+    shared expert stay on every rank. Whole experts keep every matmul TP 1's: no block of a GGUF row is cut."""
+    owned = frozenset(range(rank, moe.num_experts, tp))
+    for e in range(moe.num_experts):
+        if e not in owned:
+            moe.experts[e] = nn.Identity()  # a placeholder that keeps the experts' numbering
+    moe.owned = owned
+    moe.combine_picked = ExpertSum(group, stats)
 
 
 def _padded(y: torch.Tensor, total: int, group) -> torch.Tensor:
@@ -243,7 +267,8 @@ def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group,
     Attention: the fused QKV keeps the rows of this rank's query heads and KV heads (column-parallel). When there
     are fewer KV heads than ranks, rank r keeps KV head r // (tp / kv_heads): KV heads are replicated, as vLLM
     does. MLP: gate-up (or up) column-parallel. The attention output and MLP down projections: exact (default,
-    see exact_mode) or row-parallel with one all-reduce each. LM head: vocabulary-parallel, gathered to rank 0.
+    see exact_mode) or row-parallel with one all-reduce each. Mixture of experts: whole experts dealt out to the
+    ranks (shard_experts), exact either way. LM head: vocabulary-parallel, gathered to rank 0.
     """
     check_tp_size(cfg, tp)
     exact = exact_mode() if exact is None else exact
@@ -275,6 +300,9 @@ def shard_decoder(model: nn.Module, cfg: ModelConfig, rank: int, tp: int, group,
         a.num_heads, a.num_kv_heads = h_loc, kv_loc
         a.q_size, a.kv_size = h_loc * hd, kv_loc * hd
         mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            shard_experts(mlp, rank, tp, group, stats)
+            continue
         if isinstance(mlp, SwiGLU):
             mlp.gate_up = _take_rows(mlp.gate_up, ar((i0, i0 + i_loc), (inter + i0, inter + i0 + i_loc)))
             mlp.inter = i_loc
