@@ -6,8 +6,10 @@ PROMPT ?= What is the capital of France?
 # The CPU build of torch on this kind of machine; for a GPU see README ("Installing for a GPU").
 TORCH  ?= torch==2.13.0
 
-# The web page tests drive Debian's chromium, headless; `make test` installs it when it is missing.
+# The web page tests drive Debian's chromium, headless, and the shared KV tier's tests start Debian's redis-server on
+# a loopback port; `make test` installs whichever is missing.
 CHROMIUM ?= /usr/bin/chromium
+REDIS    ?= /usr/bin/redis-server
 
 .PHONY: run test test-fast bench clean browser
 
@@ -34,11 +36,14 @@ test: $(VENV)/.installed-test browser
 	@$(PY) scripts/fetch_llama_sdist.py $(VENV)/sdist >/dev/null || true
 	KVINFER_LLAMA_SDIST=$(LLAMA_SDIST) $(PY) -m pytest -q
 
-# Not fatal here: without a browser the page tests fail and say why.
+# Not fatal here: without a browser the page tests fail and say why; without redis-server its tests say so.
 browser:
 	@[ -x $(CHROMIUM) ] || { echo "installing chromium with apt-get (for the web page tests)"; \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends chromium fonts-dejavu-core; } >/dev/null || echo "could not install chromium"; }
+	@[ -x $(REDIS) ] || { echo "installing redis-server with apt-get (for the shared KV tier's tests)"; \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	    --no-install-recommends redis-server; } >/dev/null || echo "could not install redis-server"; }
 
 # The fast tier: everything but the tests tests/slow.txt names (under 2 minutes on 2 cores).
 test-fast: $(VENV)/.installed-test

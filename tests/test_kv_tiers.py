@@ -137,6 +137,68 @@ def test_a_block_is_handed_out_only_after_its_copy():
     tiers.close()
 
 
+def test_write_through_copies_are_taken_by_the_writer_and_a_reused_block_waits_for_its_copy():
+    """Blocks computed for the persistent tiers are copied out of the pool by the writer thread, not the step's;
+    a block freed and handed out again before the writer copied it waits for that copy (its bytes, not the next
+    request's, reach the tier)."""
+    store = {i: bytes([i]) * 8 for i in range(2)}
+    events, gate, readers = [], threading.Event(), []
+
+    def read(bid):
+        readers.append(threading.current_thread().name)
+        assert gate.wait(300)
+        events.append(("copied", bid))
+        return store[bid]
+
+    class Sink(RamTier):
+        persistent = True
+
+    sink = Sink(1 << 20)
+    tiers = KVTiers(b"f" * 16, 8, read, lambda bid, payload: None, [sink])
+    assert tiers.watches_reuse and tiers.ahead == 0
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.register(b, b"k" * 16)
+    tiers.computed(b, b"k" * 16)
+    tiers.after_step(lambda bid, h: True)  # returns at once: the writer is held at the gate, copying b
+    assert events == [] and tiers.queued_bytes == 8
+    pool.free([b])
+    entered = threading.Event()
+
+    def on_reuse(bid):
+        if bid == b:
+            entered.set()
+        tiers.on_reuse(bid)
+
+    pool.on_reuse = on_reuse
+    opener = threading.Thread(target=lambda: (entered.wait(300), events.append("gate opened"), gate.set()))
+    opener.start()
+    got = pool.allocate(2)  # the free queue: the never-used block, then b
+    events.append("allocated")
+    opener.join()
+    tiers.flush()
+    assert got[-1] == b and events == ["gate opened", ("copied", b), "allocated"]
+    assert sink.get(b"k" * 16) == store[b] and tiers.reuse_waits == 1 and readers == ["kv-tier-writer"]
+    tiers.close()
+
+
+def test_disk_write_through_reads_no_block_on_the_engine_thread(tiny_llama_dir, cold, tmp_path):
+    ps, ref = cold
+    llm = small_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path))
+    tiers, readers = llm.engine.kv_tiers, set()
+    real = tiers.read_block
+
+    def read(bid):
+        readers.add(threading.current_thread().name)
+        return real(bid)
+
+    tiers.read_block = read
+    assert results(generate_each(llm, ps)) == ref
+    tiers.flush()
+    assert readers == {"kv-tier-writer"} and len(list(tmp_path.glob("*.kvb"))) >= 4 * 29
+    llm.close()
+
+
 def test_ram_tier_budget_is_lru():
     t = RamTier(3000)
     for k in (b"a", b"b", b"c"):

@@ -38,7 +38,7 @@ class PagedKVManager:
         """Tiers below the pool: evicted blocks go there, prefix misses are looked up there."""
         self.tiers = tiers
         self.pool.on_evict = tiers.on_evict
-        if tiers.ahead:
+        if tiers.watches_reuse:
             self.pool.on_reuse = tiers.on_reuse
 
     def after_step(self) -> None:

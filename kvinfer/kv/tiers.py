@@ -199,8 +199,9 @@ class KVTiers:
       are copied to the RAM tier (if any) by a worker thread, while the engine computes; a block still being
       copied is only handed out once its copy has finished (on_reuse waits), and a cached block evicted without a
       copy made ahead (the worker's queue was full) is copied on the spot (on_evict) before it is overwritten.
-    - computed: a newly computed full block is written through to the persistent tiers (disk, Redis) by a
-      background thread, from a copy taken after the step that computed it.
+    - computed / after_step: a newly computed full block is written through to the persistent tiers (disk,
+      Redis) by a background thread, which also takes the block's copy; like a RAM copy in progress, a block
+      whose copy has not been taken yet is only handed out again once it has (on_reuse waits).
     - restore: a prefix the pool misses is fetched from the first tier holding each block, as far as the
       prefix goes, and copied into free pool blocks before the step that reads them.
     """
@@ -223,6 +224,7 @@ class KVTiers:
         self.max_pending_bytes = max_pending_bytes
         self.dropped_writes = 0  # blocks not written through because the writer was too far behind
         self._writer: Optional[threading.Thread] = None
+        self._write_pending: dict[int, threading.Event] = {}  # block id -> set once the writer has copied it
         if self.persistent:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
             self._writer.start()
@@ -274,12 +276,18 @@ class KVTiers:
                 ev.set()
                 self._ram_queue.task_done()
 
+    @property
+    def watches_reuse(self) -> bool:
+        """Whether the pool must call on_reuse: some copy of a block may still be in progress on a worker."""
+        return bool(self.ahead or self.persistent)
+
     def on_reuse(self, block_id: int) -> None:
         """The pool is about to hand out this free block: a copy of it still in progress finishes first."""
-        ev = self._ram_pending.get(block_id)
-        if ev is not None:
-            self.reuse_waits += 1
-            ev.wait()
+        for pending in (self._ram_pending, self._write_pending):
+            ev = pending.get(block_id)
+            if ev is not None:
+                self.reuse_waits += 1
+                ev.wait()
 
     def on_evict(self, block_id: int, key: bytes) -> None:
         if self.ram is None or self.ram.touch(key):  # copied ahead: it now lives in the RAM tier only
@@ -296,7 +304,8 @@ class KVTiers:
             self._pending.append((block_id, key))
 
     def after_step(self, still_holds: Callable[[int, bytes], bool]) -> None:
-        """Copy the blocks computed by the step just run and queue them for the persistent tiers."""
+        """Queue the blocks computed by the step just run for the persistent tiers; the writer thread copies
+        them out of the pool (a full block's K/V no longer changes while the pool holds it under its hash)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -309,7 +318,9 @@ class KVTiers:
                     continue
                 self._queued_bytes += self.block_bytes
             self._remember(key)
-            self._queue.put((key, self.read_block(bid)))
+            # A block is queued again only after it was handed out again, which waited for this copy
+            ev = self._write_pending[bid] = threading.Event()
+            self._queue.put((key, bid, ev))
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -322,8 +333,14 @@ class KVTiers:
             if item is None:
                 self._queue.task_done()
                 return
-            key, payload = item
+            key, bid, ev = item
             try:
+                try:
+                    payload = self.read_block(bid)
+                finally:  # the pool may hand the block out again from here on
+                    if self._write_pending.get(bid) is ev:
+                        del self._write_pending[bid]
+                    ev.set()
                 for t in self.persistent:
                     t.put(key, payload)
             except Exception as e:  # noqa: BLE001 - tiers handle their own errors; this is a last guard
