@@ -454,3 +454,38 @@ def test_bench_two_servers_needs_a_prompt(capsys):
     assert main(["bench", "prefix-cache", "--two-servers", "--long-prefix", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--long-prefix" in err
+
+
+def test_a_tier_slower_than_recomputing_is_passed_by_and_probed_again():
+    """Once a tier has measured slower per block than the engine computes a block, lookups pass it by (the block
+    is recomputed: the same bits), except every PROBE_EVERY-th lookup, which measures it again; a fast tier behind
+    it is still used, and a tier that got fast again is used again."""
+    delay = [0.05]
+
+    class Slow(RamTier):
+        name = "slow"
+
+        def get(self, key):
+            time.sleep(delay[0])
+            return super().get(key)
+
+    slow, fast = Slow(1 << 20), RamTier(1 << 20)
+    fast.name = "fast"
+    tiers = KVTiers(b"f" * 16, 8, lambda bid: b"", lambda bid, payload: None, [slow, fast], block_tokens=16)
+    slow.put(b"a" * 16, b"A" * 8)
+    fast.put(b"b" * 16, b"B" * 8)
+    for _ in range(KVTiers.TRUST_AFTER):  # not measured enough yet: asked every time
+        assert [k for k, _ in tiers.fetch([b"a" * 16])] == [b"a" * 16]
+    tiers.note_compute(0.016, 1600)  # 10 microseconds a token: 0.16 ms a block
+    assert slow.s_per_block >= 0.04 and slow.stats.hits == KVTiers.TRUST_AFTER
+    got = [list(tiers.fetch([b"a" * 16, b"b" * 16])) for _ in range(KVTiers.PROBE_EVERY - 1)]
+    assert all(g == [] for g in got)  # "a" only lives in the slow tier: recomputed, and the walk stops there
+    assert slow.stats.slow_skips == KVTiers.PROBE_EVERY - 1 and slow.stats.hits == KVTiers.TRUST_AFTER
+    assert [k for k, _ in tiers.fetch([b"b" * 16])] == [b"b" * 16]  # the probe: asked (a miss), then fast has it
+    assert slow.stats.misses == 1 and fast.stats.hits == 1
+    delay[0] = 0.0
+    for _ in range(KVTiers.PROBE_EVERY * 4):  # probes see it fast again; then it is asked every time
+        list(tiers.fetch([b"a" * 16]))
+    skips = slow.stats.slow_skips
+    assert [k for k, _ in tiers.fetch([b"a" * 16])] == [b"a" * 16] and slow.stats.slow_skips == skips
+    tiers.close()

@@ -397,9 +397,11 @@ class LLMEngine:
         self.stats["steps"] += 1
         touched: dict[str, None] = {}
         if sched.scheduled:
+            t_run = time.perf_counter()
             logits, sampled = self.runner.execute(sched)
             self.scheduler.update_after_step(sched)
-            if self.kv_tiers is not None:
+            if self.kv_tiers is not None:  # what recomputing costs, against which a slow tier is passed by
+                self.kv_tiers.note_compute(time.perf_counter() - t_run, sched.num_batched_tokens)
                 self.kv_manager.after_step()
             m = self.kv_manager
             if m.keeps_kv:

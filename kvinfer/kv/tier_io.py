@@ -102,7 +102,8 @@ def make_tiers(config, loaded, cache, manager, prompt_route: bool, one_rank: boo
     if not tiers:
         return None
     read, write = block_copier(cache)
-    out = KVTiers(fp, nbytes, read, write, tiers, ahead=copy_ahead_blocks(config, nbytes))
+    out = KVTiers(fp, nbytes, read, write, tiers, ahead=copy_ahead_blocks(config, nbytes),
+                  block_tokens=config.block_size)
     manager.attach_tiers(out)
     log.info("KV tiers below the pool: %s (%d bytes per block)", out.describe(), nbytes)
     return out

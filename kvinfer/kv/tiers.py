@@ -13,6 +13,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -38,6 +39,7 @@ class TierStats:
     bytes_out: int = 0  # bytes written to this tier
     evictions: int = 0  # blocks this tier dropped to stay within its budget
     errors: int = 0  # corrupt, truncated or foreign records, failed writes, unreachable server
+    slow_skips: int = 0  # lookups that passed this tier by because fetching had measured slower than recomputing
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -91,6 +93,8 @@ class Tier:
 
     def __init__(self):
         self.stats = TierStats()
+        self.s_per_block: Optional[float] = None  # measured seconds to fetch a block (moving average), or None
+        self.fetches = 0  # calls measured (KVTiers.fetch)
 
     def get(self, key: bytes):
         raise NotImplementedError
@@ -208,8 +212,14 @@ class KVTiers:
 
     def __init__(self, fp: bytes, block_bytes: int, read_block: Callable[[int], bytes],
                  write_block: Callable[[int, object], None], tiers: Sequence[Tier],
-                 max_pending_bytes: int = 256 << 20, ahead: int = 0):
+                 max_pending_bytes: int = 256 << 20, ahead: int = 0, block_tokens: int = 16):
         self.fingerprint = fp
+        self.block_tokens = block_tokens
+        # Recomputing against fetching: the engine's measured seconds per prompt token (note_compute) against each
+        # tier's measured seconds per block; a tier slower than recomputing is passed by, but probed again every
+        # PROBE_EVERY lookups so that a tier that recovered is used again.
+        self.recompute_s_per_token: Optional[float] = None
+        self._passed: dict[int, int] = {}  # tier index -> lookups passed by since its last probe
         self.block_bytes = block_bytes
         self.read_block = read_block
         self.write_block = write_block
@@ -374,21 +384,69 @@ class KVTiers:
             t.close()
 
     # ---- lookup ---------------------------------------------------------------------------
+    PROBE_EVERY = 16
+    TRUST_AFTER = 3  # fetches measured before a tier may be passed by (the first, which connects, is not counted)
+    SLOWER = 2.0  # passed by only when a block's fetch measured this many times its recomputation
+
+    def note_compute(self, seconds: float, tokens: int) -> None:
+        """A step computed `tokens` tokens in `seconds` (the engine, after each step with enough tokens to say)."""
+        if tokens >= 32 and seconds > 0:
+            v = seconds / tokens
+            old = self.recompute_s_per_token
+            self.recompute_s_per_token = v if old is None else 0.7 * old + 0.3 * v
+
+    def _slower_than_recomputing(self, ti: int, t: Tier) -> bool:
+        """Whether to pass tier t by for this lookup: it fetched a block more slowly than the engine computes one
+        (a loaded disk, a far or slow Redis). Every PROBE_EVERY-th lookup it is tried anyway, to measure again."""
+        if t.fetches < self.TRUST_AFTER or self.recompute_s_per_token is None:
+            return False
+        if t.s_per_block <= self.SLOWER * self.recompute_s_per_token * self.block_tokens:
+            self._passed.pop(ti, None)
+            return False
+        n = self._passed.get(ti, 0) + 1
+        if n >= self.PROBE_EVERY:
+            self._passed[ti] = 0
+            return False
+        self._passed[ti] = n
+        t.stats.slow_skips += 1
+        return True
+
+    @staticmethod
+    def _measured(t: Tier, seconds: float, blocks: int) -> None:
+        """A fetch's seconds per block: a faster one is taken as it is (a probe that finds the tier recovered
+        makes it usable at once), a slower one moves the average a third of the way."""
+        t.fetches += 1
+        if t.fetches == 1:
+            return  # a first call pays for connecting and opening: not what the next ones cost
+        v = seconds / max(blocks, 1)
+        t.s_per_block = v if t.s_per_block is None or v < t.s_per_block else 0.7 * t.s_per_block + 0.3 * v
+
     def fetch(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, object]]:
         """(key, payload) of keys[0], keys[1], ... while some tier holds each; stops at the first block none has.
-        Networked tiers are asked for the rest of the prefix at once, the first time the walk reaches them."""
+        Networked tiers are asked for the rest of the prefix at once, the first time the walk reaches them. A tier
+        measured slower than recomputing is passed by (_slower_than_recomputing): the block is computed instead."""
         batched: dict[int, dict[bytes, object]] = {}
+        passed: set[int] = set()
         for i, key in enumerate(keys):
             payload = None
             for ti, t in enumerate(self.tiers):
+                if ti in passed:
+                    continue
+                if ti not in batched and self._slower_than_recomputing(ti, t):
+                    passed.add(ti)
+                    continue
+                t0 = time.perf_counter()
                 if t.batch > 1:
                     got = batched.setdefault(ti, {})
                     if key not in got:
                         chunk = keys[i:i + t.batch]
                         got.update(zip(chunk, t.get_many(chunk)))
+                        self._measured(t, time.perf_counter() - t0, len(chunk))
                     payload = got.pop(key)
                 else:
+                    batched.setdefault(ti, {})  # asked once this lookup: not passed by from here on
                     payload = t.get(key)
+                    self._measured(t, time.perf_counter() - t0, 1)
                 if payload is not None:
                     t.stats.hits += 1
                     t.stats.bytes_in += self.block_bytes

@@ -8,7 +8,8 @@ DOCS = {"hits": "Blocks restored from the tier into the pool.",
         "misses": "Blocks looked up in the tier and not found or not usable.",
         "bytes_in": "Bytes restored from the tier.", "bytes_out": "Bytes written to the tier.",
         "evictions": "Blocks the tier dropped to stay within its budget.",
-        "errors": "Corrupt, truncated or foreign blocks, failed writes, an unreachable server."}
+        "errors": "Corrupt, truncated or foreign blocks, failed writes, an unreachable server.",
+        "slow_skips": "Lookups that passed the tier by: fetching had measured slower than recomputing."}
 
 
 class TierCollector:
