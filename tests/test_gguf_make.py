@@ -146,7 +146,8 @@ def test_moe_step_equals_the_reference_layer_and_keeps_prompt_roles(tmp_path, qt
     """The grouped step (kernel calls made directly, outputs written in place) gives the module-by-module
     reference's bits, for one row and for many; under prompt spans (the runner's prompt rows) each expert sees
     its own rows' roles, and the bits stay those of the step without spans where the prompt route is off."""
-    from kvinfer.layers.quant_linear import prompt_route_on, prompt_rows
+    from kvinfer.layers.forward_context import ForwardContext, set_forward_context
+    from kvinfer.layers.quant_linear import prompt_route_on
 
     path = make_gguf.make(tmp_path / "m.gguf", "tiny-qwen3moe", qtype)
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
@@ -155,7 +156,7 @@ def test_moe_step_equals_the_reference_layer_and_keeps_prompt_roles(tmp_path, qt
     with torch.inference_mode():
         for rows in (x[:1], x[3:4], x):
             assert torch.equal(moe(rows), _moe_reference(moe, rows))
-        with prompt_rows([(0, 7), (12, 21)]):
+        with set_forward_context(ForwardContext(prompt_spans=[(0, 7), (12, 21)])):
             spanned = moe(x)
         plain = moe(x)
     if not prompt_route_on():

@@ -270,7 +270,7 @@ def _teacher_forced(llm, seqs: list[list[int]], prompt_lens=None) -> list[torch.
     a paged cache of the engine's KV dtype (an 8-bit cache: prefill attention reads the quantised keys and values,
     as decode does). prompt_lens: how many of each sequence's tokens were its prompt when generated (default: all),
     rows computed by the prompt route where the engine has one, as the engine computed them."""
-    from kvinfer.layers.quant_linear import prompt_rows
+    from kvinfer.layers.forward_context import ForwardContext, set_forward_context
 
     eng = llm.engine
     spans, at = [], 0
@@ -286,7 +286,7 @@ def _teacher_forced(llm, seqs: list[list[int]], prompt_lens=None) -> list[torch.
         first += nblk
     kv = PagedCache(mc.num_layers, first, 16, mc.num_kv_heads, mc.head_dim, torch.float32, "cpu",
                     eng.kv_cache.kv_dtype)
-    with torch.inference_mode(), prompt_rows(spans):
+    with torch.inference_mode(), set_forward_context(ForwardContext(prompt_spans=spans)):
         md = kv.prepare(slices)
         hidden = model(torch.tensor([t for ids in seqs for t in ids]),
                        torch.cat([torch.arange(len(ids)) for ids in seqs]), md, kv)

@@ -66,13 +66,14 @@ def test_prompt_matmul_needs_a_kept_copy():
 
 @needs_route
 def test_quant_linear_computes_prompt_rows_by_their_route_and_the_rest_as_before():
-    from kvinfer.layers.quant_linear import QuantLinear, prompt_rows
+    from kvinfer.layers.forward_context import ForwardContext, set_forward_context
+    from kvinfer.layers.quant_linear import QuantLinear
 
     lin = QuantLinear(_weight("Q4_1", 96, 128), "Q4_1", (96, 128), bias=torch.randn(96))
     assert lin.uses_kernel() and lin._tiles is not None
     x = torch.randn(30, 128)
     plain = lin(x)
-    with prompt_rows([(2, 9), (20, 30)]):
+    with set_forward_context(ForwardContext(prompt_spans=[(2, 9), (20, 30)])):
         mixed = lin(x)
     lib = kernels.active()
     prompt = lib.matmul_prompt(x, lin.raw, "Q4_1", lin.bias)
@@ -82,7 +83,7 @@ def test_quant_linear_computes_prompt_rows_by_their_route_and_the_rest_as_before
         assert torch.equal(mixed[a:e], plain[a:e])
     assert not torch.equal(mixed, plain)
     with pytest.raises(ValueError, match="not spans of a batch of 30 rows"):
-        with prompt_rows([(25, 31)]):
+        with set_forward_context(ForwardContext(prompt_spans=[(25, 31)])):
             lin(x)
 
 

@@ -203,7 +203,8 @@ class LLMEngine:
         kv_spec = spec_for(config, kv_cfg, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config), dtype,
                            device)
         self.kv_dtype = kv_spec.kv_dtype if kv_spec.kv_dtype != "auto" else str(dtype).replace("torch.", "")
-        self.kv_manager, self.kv_cache = make_kv(kv_spec, alibi=getattr(self.loaded.model, "alibi", None))
+        self.kv_manager, self.kv_cache = make_kv(kv_spec, alibi=getattr(self.loaded.model, "alibi", None),
+                                                 prompt_roles=ModelRunner.prompt_route_for(self.loaded.model))
         m = self.kv_manager
         log.info("KV cache: %s, %s, %s (%s per token, %d %ss of %d tokens, token capacity %d)", m.kind,
                  self.kv_dtype, format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
@@ -219,7 +220,6 @@ class LLMEngine:
 
             self.tp = TensorParallel.start(config, self.loaded)
             self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
-        self.kv_manager.prompt_roles = self.runner.prompt_route  # prefix-cache hashes say which tokens are prompt
         # Tiers below the pool (RAM, disk, Redis) where the flags ask for them: kv/tier_io.py, docs/kv_tiers.md
         self.kv_tiers = make_tiers(config, self.loaded, self.kv_cache, self.kv_manager, self.runner.prompt_route,
                                    self.tp is None)

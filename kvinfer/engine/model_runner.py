@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from kvinfer.kv.interface import SeqSlice, decodes_first
-from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on, prompt_rows
+from kvinfer.layers.forward_context import ForwardContext, set_forward_context
+from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -44,9 +45,15 @@ class ModelRunner:
         self.device = device
         self._fused = None  # FusedDecode, built on the first decode-only step
         self._fused_checked = False
-        # Prompt rows by their own route (quant_linear.prompt_rows): each row's route is its role, a prompt token
-        # or not, so a request's result still does not depend on what shares its steps.
-        self.prompt_route = model is not None and prompt_route_on() and any(
+        self.prompt_route = self.prompt_route_for(model)
+
+    @staticmethod
+    def prompt_route_for(model) -> bool:
+        """Whether a runner of this model computes prompt rows by their own route (the forward context's prompt
+        spans): each row's route is its role, a prompt token or not, so a request's result still does not depend
+        on what shares its steps. The engine asks before building the KV manager, whose prefix-cache hashes must
+        then say how many of a block's tokens are prompt tokens."""
+        return model is not None and prompt_route_on() and any(
             isinstance(m, QuantLinear) and m.uses_kernel() and m._tiles is not None for m in model.modules())
 
     def _fused_decode(self):
@@ -131,10 +138,8 @@ class ModelRunner:
                 y = fused(input_ids, md, with_logits)
                 return (None, y) if with_logits and fused.fuses_head else (y, None)
         positions = torch.tensor(p.positions, dtype=torch.long, device=self.device)
-        if p.prompt_spans:
-            with prompt_rows(p.prompt_spans):
-                return self.model(input_ids, positions, md, self.backend), None
-        return self.model(input_ids, positions, md, self.backend), None
+        with set_forward_context(ForwardContext(prompt_spans=p.prompt_spans)):  # for this forward only
+            return self.model(input_ids, positions, md, self.backend), None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):

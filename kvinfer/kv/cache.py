@@ -13,7 +13,7 @@ from kvinfer.config import kv_scale_bytes
 from kvinfer.errors import ValidationError
 from kvinfer.kv.interface import SeqSlice, is_decode, leading_decodes
 from kvinfer.layers.attention import AttentionMetadata, AttnGroup, KernelAttn, build_mask
-from kvinfer.layers.quant_linear import current_prompt_spans
+from kvinfer.layers.forward_context import get_forward_context
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -133,7 +133,7 @@ class _Backend:
                                  block_size=km.block_size, num_blocks=km.num_blocks, strides=strides, scale=scale,
                                  alibi_slopes=self.alibi, sliding_window=window or self.sliding_window,
                                  kv_dtype=self.kv_dtype if self.quantized else "float32",
-                                 k_scale=k_scale, v_scale=v_scale, prompt_spans=current_prompt_spans())
+                                 k_scale=k_scale, v_scale=v_scale, prompt_spans=get_forward_context().prompt_spans)
 
     def _layer_scales(self, layer: int):
         """This layer's key and value scales (an 8-bit cache), else (None, None)."""

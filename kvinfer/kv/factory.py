@@ -71,11 +71,12 @@ def kv_layout(kind: str, bytes_per_token: int, block_size: int, max_len: int, ma
     return 0, 0
 
 
-def make_manager(kind: str, count: int, block_size: int, max_len: int, enable_prefix_caching: bool = True
-                 ) -> KVManager:
-    """The bookkeeping alone (the simulator runs it without tensors)."""
+def make_manager(kind: str, count: int, block_size: int, max_len: int, enable_prefix_caching: bool = True,
+                 prompt_roles: bool = False) -> KVManager:
+    """The bookkeeping alone (the simulator runs it without tensors). prompt_roles: the runner computes prompt
+    rows by their own route (ModelRunner.prompt_route_for), so paged blocks' hashes count their prompt tokens."""
     if kind == "paged":
-        return PagedKVManager(count, block_size, enable_prefix_caching)
+        return PagedKVManager(count, block_size, enable_prefix_caching, prompt_roles)
     if kind == "contiguous":
         return SlotManager(count, max_len)
     return NullManager()
@@ -99,9 +100,12 @@ def make_cache(spec: KVSpec, alibi: Optional[torch.Tensor] = None) -> _Backend:
     return cache
 
 
-def make_kv(spec: KVSpec, alibi: Optional[torch.Tensor] = None) -> tuple[KVManager, _Backend]:
-    """A manager and the cache it describes: the only place a backend is picked by name."""
-    manager = make_manager(spec.kind, spec.count, spec.block_size, spec.max_len, spec.enable_prefix_caching)
+def make_kv(spec: KVSpec, alibi: Optional[torch.Tensor] = None, prompt_roles: bool = False
+            ) -> tuple[KVManager, _Backend]:
+    """A manager and the cache it describes: the only place a backend is picked by name. prompt_roles: as for
+    make_manager (the manager's alone: the cache, which tensor-parallel ranks also build, does not depend on it)."""
+    manager = make_manager(spec.kind, spec.count, spec.block_size, spec.max_len, spec.enable_prefix_caching,
+                           prompt_roles)
     return manager, make_cache(spec, alibi)
 
 

@@ -23,15 +23,16 @@ class PagedKVManager:
     can_fork = True
     unit_name = "block"
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, prompt_roles: bool = False):
         self.block_size = self.unit_tokens = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.block_tables: dict[str, list[int]] = {}
         self.block_hashes: dict[str, list[bytes]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
-        # Set by the engine where prompt rows are computed by their own route (kernels' prompt route): a block's
-        # hash then also says how many of its tokens are prompt tokens.
-        self.prompt_roles = False
+        # Where the runner computes prompt rows by their own route (kernels' prompt route), a block's K/V depends
+        # on which of its tokens were prompt tokens: its hash then also says how many were. Fixed at construction,
+        # before any block is hashed.
+        self.prompt_roles = prompt_roles
         self.tiers = None  # kv.tiers.KVTiers below the pool, set by the engine (attach_tiers)
 
     def attach_tiers(self, tiers) -> None:

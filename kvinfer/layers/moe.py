@@ -2,14 +2,16 @@
 and an optional gated shared expert (Qwen2-MoE / DeepSeek style)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import nn
 
 from kvinfer import kernels
+from kvinfer.layers.forward_context import get_forward_context, set_forward_context
 from kvinfer.layers.mlp import SwiGLU
-from kvinfer.layers.quant_linear import KernelLinear, QuantLinear, current_prompt_spans, prompt_rows
+from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +57,8 @@ class MoE(nn.Module):
         # One row (a single-stream decode step): every expert takes x itself; else the rows gathered once, in
         # expert order, each expert reading its run.
         xs = x if n == 1 else x.index_select(0, order // k)
-        spans = current_prompt_spans()
-        roles = _row_roles(spans, n) if spans else None
+        ctx = get_forward_context()
+        roles = _row_roles(ctx.prompt_spans, n) if ctx.prompt_spans else None
         src = (order // k).tolist() if roles is not None else None
         # each expert's outputs for its rows, in expert order; under expert parallelism the slots of experts other
         # ranks compute stay zero, so that summing the ranks' copies gives each slot its one value exactly
@@ -70,7 +72,7 @@ class MoE(nn.Module):
                 start += c
         if roles is not None:  # the prompt rows among each expert's rows, as spans of its run
             for e, a, c in runs:
-                with prompt_rows(_spans_of([roles[i] for i in src[a:a + c]])):
+                with set_forward_context(replace(ctx, prompt_spans=_spans_of([roles[i] for i in src[a:a + c]]))):
                     out[a:a + c] = self.experts[e](xs if n == 1 else xs[a:a + c])
         else:
             self._experts_into(xs, n, runs, out)
@@ -137,7 +139,7 @@ def _linear_into(lin: nn.Module, x: torch.Tensor, out: torch.Tensor, batch_invar
 
 
 def _row_roles(spans, n: int) -> list[bool]:
-    """Whether each of a step's n rows is a prompt row (prompt_rows' spans)."""
+    """Whether each of a step's n rows is a prompt row (the forward context's prompt spans)."""
     roles = [False] * n
     for a, b in spans:
         roles[a:b] = [True] * (b - a)

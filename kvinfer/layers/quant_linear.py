@@ -1,8 +1,6 @@
 """Linear layers and embeddings that keep GGML-quantised weights, multiplying small batches with kvinfer.kernels."""
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -11,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvinfer import kernels
+from kvinfer.layers.forward_context import get_forward_context
 from kvinfer.loaders.dequant import block_info, dequantize, nbytes_for, type_name
 
 # Up to this many rows (tokens) per call the quantised kernel runs; beyond it a float32 copy of the weight and
@@ -21,31 +20,11 @@ DEFAULT_KERNEL_MAX_ROWS = 32
 
 RawWeight = Union[torch.Tensor, np.ndarray]
 
-_route = threading.local()  # .spans: the current forward's prompt rows, [(start, end), ...] (prompt_rows)
-
 
 def prompt_route_on() -> bool:
     """Whether QuantLinears compute prompt rows by their own route (kernels' matmul_prompt: AMX bfloat16 tiles
     over the kept tile copy; KVINFER_PROMPT_BF16=0: not)."""
     return kernels.available() and kernels.active().prompt_route and kernels.keep_tiles_enabled()
-
-
-@contextmanager
-def prompt_rows(spans: Sequence[tuple[int, int]]):
-    """Within: the rows in spans (sorted, disjoint [start, end) row ranges of the forward's token batch) are prompt
-    rows; QuantLinears with a kept tile copy compute them by the prompt route, the others as usual. A row's route
-    is its role (set by the runner from the row's position against its prompt's length), never the batch's."""
-    prev = getattr(_route, "spans", None)
-    _route.spans = list(spans) or None
-    try:
-        yield
-    finally:
-        _route.spans = prev
-
-
-def current_prompt_spans() -> Optional[list]:
-    """The prompt rows of the forward running on this thread (prompt_rows), or None: attention reads them too."""
-    return getattr(_route, "spans", None)
 
 
 def _raw_tensor(raw: RawWeight, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -193,7 +172,7 @@ class QuantLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty((t, n), dtype=torch.float32)
-            spans = current_prompt_spans()
+            spans = get_forward_context().prompt_spans  # the runner's prompt rows, where the route is on
             if spans and self._tiles is not None:
                 self._run_by_role(x2, y, spans)
             else:
@@ -206,7 +185,7 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, w, bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
-    def _run_by_role(self, x: torch.Tensor, y: torch.Tensor, spans: list) -> None:
+    def _run_by_role(self, x: torch.Tensor, y: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
         """Prompt rows (spans) by the prompt route, the rows between them by the kernel as usual."""
         t, k, n = x.shape[0], self.in_features, self.out_features
         runs = list(kernels.role_runs(spans, t))  # (all checked before any call)

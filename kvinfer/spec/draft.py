@@ -34,9 +34,9 @@ class DraftProposer:
         self.loaded = loaded
         spec = KVSpec("paged", mc.num_layers, num_blocks, block_size, mc.num_kv_heads, 0, mc.head_dim, loaded.dtype,
                       loaded.device, enable_prefix_caching=False, sliding_window=mc.sliding_window)
-        self.manager, self.cache = make_kv(spec, alibi=getattr(loaded.model, "alibi", None))
+        self.manager, self.cache = make_kv(spec, alibi=getattr(loaded.model, "alibi", None),
+                                           prompt_roles=ModelRunner.prompt_route_for(loaded.model))
         self.runner = ModelRunner(loaded.model, self.cache, self.manager, loaded.device)
-        self.manager.prompt_roles = self.runner.prompt_route
         self.runner.computes_prompt_logprobs = False  # its requests are shadows of the target's
         self.shadows: dict[str, _Shadow] = {}
 
