@@ -6,6 +6,7 @@ import copy
 import ctypes
 import os
 import pickle
+import sys
 import threading
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
@@ -207,7 +208,7 @@ def fresh_kernels(monkeypatch, tmp_path):
 
 
 def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
-    monkeypatch.setattr(fresh_kernels, "CC", "kvinfer-no-such-cc")
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.build"], "CC", "kvinfer-no-such-cc")
     assert fresh_kernels.available() is False
     reason = fresh_kernels.unavailable_reason()
     assert "kvinfer-no-such-cc" in reason and "not found" in reason
@@ -222,7 +223,7 @@ def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
 
 
 def test_failing_compiler_and_switch_off_report_unavailable(fresh_kernels, monkeypatch):
-    monkeypatch.setattr(fresh_kernels, "CC", "false")  # exists, exits 1
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.build"], "CC", "false")  # exists, exits 1
     assert not fresh_kernels.available()
     assert "failed" in fresh_kernels.unavailable_reason()
     fresh_kernels._reset()
@@ -249,8 +250,8 @@ def test_dispatch_picks_the_best_level_and_honours_a_lower_one(reloaded_kernels,
     # A CPU without AVX2 (or an OS that does not save its registers) runs everything on the portable level.
     k._reset()
     monkeypatch.delenv("KVINFER_ISA")
-    monkeypatch.setattr(k, "cpu_features", lambda: {"avx2": False, "avx512": False,
-                                                    "amx_listed": True, "amx_granted": False})
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.levels"], "cpu_features",
+                        lambda: {"avx2": False, "avx512": False, "amx_listed": True, "amx_granted": False})
     assert k.level() == "generic"
     assert "AMX listed but not granted" in k.describe()
     with pytest.raises(RuntimeError, match="cannot run the avx2 level"):
