@@ -46,6 +46,7 @@ _i64, _f32, _i32, _vp = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c
 
 
 class AttnJob(ctypes.Structure):
+    c_struct = "kvq_attn"
     _fields_ = [(n, _vp) for n in ("q", "out", "k", "v", "k_scale", "v_scale", "tables", "tok_seq", "tok_pos",
                                    "slopes")] + \
                [(n, _i64) for n in ("T", "H", "KVH", "D", "BS", "NB", "table_stride", "q_stride", "out_stride",
@@ -55,13 +56,15 @@ class AttnJob(ctypes.Structure):
 
 class DecodePart(ctypes.Structure):
     """struct kvq_part: one part of a fused projection whose parts differ in type."""
+    c_struct = "kvq_part"
     _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32)]
 
 
-MAX_PARTS = 3  # KVQ_MAX_PARTS
+MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/test_kernel_abi.py)
 
 
 class DecodeLayer(ctypes.Structure):
+    c_struct = "kvq_decode_layer"
     _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")] + \
                [(n, _i64) for n in ("qkv_ldw", "o_ldw", "gate_up_ldw", "down_ldw")] + \
                [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
@@ -71,6 +74,7 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeJob(ctypes.Structure):
+    c_struct = "kvq_decode"
     _fields_ = [(n, _vp) for n in ("x", "layers", "cos", "sin", "slots", "tables", "lens")] + \
                [(n, _i64) for n in ("B", "hidden", "H", "KVH", "D", "inter", "L", "T", "BS", "NB", "window",
                                     "rope_rows")] + \
@@ -82,6 +86,7 @@ class DecodeJob(ctypes.Structure):
 
 class Sampling(ctypes.Structure):
     """struct kvq_sampling: per sequence of a multi-step call, how its next token is chosen (pointers to arrays)."""
+    c_struct = "kvq_sampling"
     _fields_ = [(n, _vp) for n in ("temperature", "top_k", "top_p", "min_p", "u")]
 
 
@@ -121,6 +126,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_amx_bf16_enable": ([c_int], c_int),
         "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
         "kvq_max_threads": ([], c_int),
+        "kvq_abi_layout": ([ctypes.c_char_p, ctypes.c_char_p], i64),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)

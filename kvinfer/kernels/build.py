@@ -17,6 +17,9 @@ from typing import Optional
 HERE = Path(__file__).parent
 SOURCES = [HERE / n for n in ("qmatmul.c", "kquants.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
 HEADERS = [HERE / "kernels.h", HERE / "simd.h", HERE / "ggml_blocks.h"]
+# The table of struct layouts that tests check abi.py's mirrors against (one more source, kept apart from the
+# kernels' list).
+SOURCES.append(HERE / "abi.c")
 DISPATCH_SOURCE = HERE / "dispatch.c"
 CC = os.environ.get("CC") or "gcc"
 LEVELS = ("generic", "avx2", "avx512")
