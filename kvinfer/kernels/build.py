@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from kvinfer.options import options
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / n for n in ("qmatmul.c", "kquants.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
 HEADERS = [HERE / "kernels.h", HERE / "simd.h", HERE / "ggml_blocks.h"]
@@ -35,7 +37,7 @@ LEVEL_FLAGS = {
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("KVINFER_CACHE")
+    root = options().cache
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")

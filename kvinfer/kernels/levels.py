@@ -1,5 +1,5 @@
 """Which level runs: what the CPU and OS allow (dispatch.c's probe), the best level for them, the level asked for
-(KVINFER_ISA, KVINFER_KERNELS), and the switches the levels read.
+(KVINFER_ISA, KVINFER_KERNELS), and the kernels' switches as kvinfer.options read them.
 
 Levels: "generic" (portable C, any CPU), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ + VNNI). The
 best level the CPU reports AND the OS enables is used (dispatch.c, compiled without arch flags, probes cpuid and
@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 from typing import Optional
+
+from kvinfer.options import options
 
 from .build import DISPATCH_SOURCE, LEVELS, build
 
 log = logging.getLogger("kvinfer.kernels")
 
 _features: Optional[int] = None
-
-
-def _off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def cpu_features() -> dict:
@@ -54,14 +51,13 @@ def best_level() -> str:
 
 def wanted_level() -> str:
     """The level to load: the best this CPU allows, or a lower one KVINFER_ISA asks for. RuntimeError when the
-    kernels are switched off (KVINFER_KERNELS=0) or KVINFER_ISA names no level."""
-    if _off("KVINFER_KERNELS"):
+    kernels are switched off (KVINFER_KERNELS=0); OptionError when a switch holds a bad value."""
+    opts = options()  # a bad KVINFER_ISA raises here, naming it
+    if not opts.kernels:
         raise RuntimeError("disabled by KVINFER_KERNELS")
     want = best_level()
-    forced = os.environ.get("KVINFER_ISA", "").strip().lower()
+    forced = opts.isa
     if forced:
-        if forced not in LEVELS:
-            raise RuntimeError(f"KVINFER_ISA must be one of {', '.join(LEVELS)}, not {forced!r}")
         if LEVELS.index(forced) > LEVELS.index(want):
             log.warning("KVINFER_ISA=%s is above what this CPU allows; using %s", forced, want)
         else:
@@ -71,31 +67,31 @@ def wanted_level() -> str:
 
 def amx_wanted() -> bool:
     """Whether the avx512 level may switch the AMX tiles on (KVINFER_AMX)."""
-    return not _off("KVINFER_AMX")
+    return options().amx
 
 
 def prompt_route_wanted() -> bool:
     """Whether prompt rows may take the AMX bfloat16 route (KVINFER_PROMPT_BF16)."""
-    return not _off("KVINFER_PROMPT_BF16")
+    return options().prompt_bf16
 
 
 def drop_source_enabled() -> bool:
     """Whether the engine gives a kept weight's GGUF pages back once its copy is made (default; the copy holds
     every byte, so the process holds each weight once). KVINFER_DROP_SOURCE=0 keeps the GGUF rows beside the
     copy."""
-    return not _off("KVINFER_DROP_SOURCE")
+    return options().drop_source
 
 
 def keep_tiles_enabled() -> bool:
     """Whether quantised weights are kept in tile layout at the avx512 level (K-quants also at avx2) (default;
     KVINFER_AMX_KEEP=0 reads the GGML rows instead, unpacking them per call)."""
-    return not _off("KVINFER_AMX_KEEP")
+    return options().amx_keep
 
 
 def batch_invariant() -> bool:
     """Whether every route keeps a row's result independent of how it is served (default; KVINFER_BATCH_INVARIANT=0
     lets prefill-sized steps take BLAS GEMMs and SDPA instead, which are faster on long prompts)."""
-    return not _off("KVINFER_BATCH_INVARIANT")
+    return options().batch_invariant
 
 
 
