@@ -554,6 +554,9 @@ def main(argv=None) -> int:
     from kvinfer.errors import KvinferError
 
     try:
+        from kvinfer.options import options
+
+        options()  # every KVINFER_* switch read now: a bad value is this one line, not a failure deep inside
         if getattr(args, "tensor_parallel_size", 1) > 1 or "RANK" in os.environ:
             # c10d's C++ warnings (a peer's socket closing, a rendezvous poll timing out) would bury the one-line
             # error that names what happened.

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
 
 LAYERS = {
-    0: ["errors", "config", "sampling_params", "utils"],
+    0: ["errors", "config", "sampling_params", "utils", "options"],
     1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant", "spec", "structured"],
     2: ["models", "loaders", "kv"],
     3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
@@ -15,7 +15,7 @@ LAYERS = {
     5: ["server", "cli", "bench", "lab", "perplexity"],
 }
 TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "kv.interface", "request", "sampling_params", "errors", "config",
-              "spec.ngram", "spec.speculator"]
+              "spec.ngram", "spec.speculator", "options"]
 
 
 def layer_of(module: str) -> int:

@@ -6,6 +6,7 @@ import copy
 import ctypes
 import os
 import pickle
+import sys
 import threading
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
@@ -15,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 import kvinfer.kernels as kernels
+from kvinfer import options
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, quantized_embedding_rows
 from kvinfer.loaders.dequant import dequantize
 
@@ -184,6 +186,14 @@ def test_one_openmp_runtime_shared_with_torch():
     assert len(gomps) == 1, gomps
 
 
+@pytest.fixture(autouse=True)
+def _switches_follow_env():
+    """Tests here set KVINFER_* variables and reload the options; afterwards (the environment restored by then)
+    the switches are read again, so no test's setting outlives it."""
+    yield
+    options.reload()
+
+
 @pytest.fixture
 def reloaded_kernels(monkeypatch):
     """kernels with its load state cleared (the on-disk cache kept: the levels are built once per suite);
@@ -191,6 +201,7 @@ def reloaded_kernels(monkeypatch):
     kernels._reset()
     yield kernels
     monkeypatch.undo()
+    options.reload()
     kernels._reset()
     assert kernels.available()
 
@@ -199,15 +210,17 @@ def reloaded_kernels(monkeypatch):
 def fresh_kernels(monkeypatch, tmp_path):
     """kernels with its load state cleared and an empty cache; restored afterwards."""
     monkeypatch.setenv("KVINFER_CACHE", str(tmp_path))
+    options.reload()
     kernels._reset()
     yield kernels
     monkeypatch.undo()
+    options.reload()
     kernels._reset()
     assert kernels.available()
 
 
 def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
-    monkeypatch.setattr(fresh_kernels, "CC", "kvinfer-no-such-cc")
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.build"], "CC", "kvinfer-no-such-cc")
     assert fresh_kernels.available() is False
     reason = fresh_kernels.unavailable_reason()
     assert "kvinfer-no-such-cc" in reason and "not found" in reason
@@ -222,11 +235,12 @@ def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
 
 
 def test_failing_compiler_and_switch_off_report_unavailable(fresh_kernels, monkeypatch):
-    monkeypatch.setattr(fresh_kernels, "CC", "false")  # exists, exits 1
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.build"], "CC", "false")  # exists, exits 1
     assert not fresh_kernels.available()
     assert "failed" in fresh_kernels.unavailable_reason()
     fresh_kernels._reset()
     monkeypatch.setenv("KVINFER_KERNELS", "0")
+    options.reload()
     assert not fresh_kernels.available()
     assert "KVINFER_KERNELS" in fresh_kernels.unavailable_reason()
 
@@ -234,6 +248,7 @@ def test_failing_compiler_and_switch_off_report_unavailable(fresh_kernels, monke
 def test_dispatch_picks_the_best_level_and_honours_a_lower_one(reloaded_kernels, monkeypatch):
     k = reloaded_kernels
     monkeypatch.delenv("KVINFER_ISA", raising=False)  # the suite may run with a lower level forced
+    options.reload()
     k._reset()
     feats = k.cpu_features()
     assert feats["avx2"], "this project's machines have AVX2; the probe must see it"
@@ -242,15 +257,19 @@ def test_dispatch_picks_the_best_level_and_honours_a_lower_one(reloaded_kernels,
     for forced in ("generic", "avx2"):
         k._reset()
         monkeypatch.setenv("KVINFER_ISA", forced)
+        options.reload()
         assert k.level() == forced
     k._reset()
     monkeypatch.setenv("KVINFER_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KVINFER_ISA must be one of"):  # one line, naming the switch
+        options.reload()
     assert not k.available() and "KVINFER_ISA must be one of" in k.unavailable_reason()
     # A CPU without AVX2 (or an OS that does not save its registers) runs everything on the portable level.
     k._reset()
     monkeypatch.delenv("KVINFER_ISA")
-    monkeypatch.setattr(k, "cpu_features", lambda: {"avx2": False, "avx512": False,
-                                                    "amx_listed": True, "amx_granted": False})
+    options.reload()
+    monkeypatch.setattr(sys.modules["kvinfer.kernels.levels"], "cpu_features",
+                        lambda: {"avx2": False, "avx512": False, "amx_listed": True, "amx_granted": False})
     assert k.level() == "generic"
     assert "AMX listed but not granted" in k.describe()
     with pytest.raises(RuntimeError, match="cannot run the avx2 level"):
@@ -356,10 +375,12 @@ def test_amx_can_be_switched_off(monkeypatch, reloaded_kernels):
     k = reloaded_kernels
     monkeypatch.delenv("KVINFER_ISA", raising=False)
     monkeypatch.setenv("KVINFER_AMX", "0")
+    options.reload()
     k._reset()
     assert not k.active().amx and "AMX tiles" not in k.describe()
     assert k.active().lib.kvq_amx_enable(-1) == 0  # the library's own switch (-1: ask, change nothing)
     monkeypatch.delenv("KVINFER_AMX")
+    options.reload()
     k._reset()
     assert k.active().amx == (k.cpu_features()["amx_granted"] and k.best_level() == "avx512")
 
@@ -501,6 +522,7 @@ def test_batch_invariance_off_sends_prefill_batches_to_blas(monkeypatch):
     raw = make_raw("Q4_1", n, k)
     lin = QuantLinear.from_raw(raw, "Q4_1", (n, k))
     monkeypatch.setenv("KVINFER_BATCH_INVARIANT", "0")
+    options.reload()
     xb = torch.randn(200, k)
     assert rel_err(lin(xb), reference(xb, raw, "Q4_1", n, k)) < TOL and lin._weight is not None
 
@@ -632,6 +654,7 @@ def test_the_engine_keeps_quantised_weights_in_tile_layout_and_counts_them(monke
     try:
         kept = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
         monkeypatch.setenv("KVINFER_AMX_KEEP", "0")
+        options.reload()
         plain_llm = LLM(None, kv_cache_memory=8 << 20, max_model_len=256)
         assert not plain_llm.engine.runner.prompt_route
         assert all(m._tiles is None for m in plain_llm.engine.loaded.model.modules() if isinstance(m, QuantLinear))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -10,6 +9,7 @@ import sys
 import time
 
 from kvinfer.bench import machine, machine_line
+from kvinfer.options import override
 
 
 NO_INVARIANCE = "kvinfer, KVINFER_BATCH_INVARIANT=0"
@@ -30,18 +30,9 @@ def _peers(*known: str):
     return parse
 
 
-@contextlib.contextmanager
 def _invariance_off():
     """The same build with batch invariance given up (BLAS and SDPA for prefill-sized steps): its cost."""
-    old = os.environ.get("KVINFER_BATCH_INVARIANT")
-    os.environ["KVINFER_BATCH_INVARIANT"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["KVINFER_BATCH_INVARIANT"]
-        else:
-            os.environ["KVINFER_BATCH_INVARIANT"] = old
+    return override(batch_invariant=False)
 
 
 def register(sub) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import struct
 import threading
@@ -19,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
+
+from kvinfer.options import options
 
 log = logging.getLogger("kvinfer")
 
@@ -487,8 +488,10 @@ class KVTiers:
 
 
 def env_switches() -> dict:
-    """The environment switches that change a computed block's bits."""
-    return {k: os.environ.get(k, "") for k in ("KVINFER_KERNELS", "KVINFER_BATCH_INVARIANT", "KVINFER_PROMPT_BF16")}
+    """The environment switches that change a computed block's bits, as the environment spelled them (a persisted
+    block's fingerprint keeps the spelling it always had)."""
+    opts = options()
+    return {k: opts.raw(k) for k in ("KVINFER_KERNELS", "KVINFER_BATCH_INVARIANT", "KVINFER_PROMPT_BF16")}
 
 
 def plan_tiers(kv_bytes_per_token: int, block_size: int, sizes: dict[str, int], prefix_tokens: int = 4000) -> dict:

@@ -1,7 +1,6 @@
 """`python -m kvinfer.parallel.measure [TP]`: LM head and embedding, replicated vs vocabulary-parallel, timed."""
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import sys
@@ -11,13 +10,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-REPS = int(os.environ.get("KVINFER_MEASURE_REPS", 30))
-
+from kvinfer.options import options
 
 def _median_ms(fn, group) -> float:
-    """Median over REPS of fn's time on rank 0; a barrier first so every rank starts each rep together."""
+    """Median over KVINFER_MEASURE_REPS runs of fn's time on rank 0; a barrier first so every rank starts each rep together."""
     times = []
-    for _ in range(REPS):
+    for _ in range(options().measure_reps):
         dist.barrier(group)
         t0 = time.perf_counter()
         fn()
@@ -77,7 +75,7 @@ def _job(rank: int, world: int, port: int) -> None:
             link.append((x.numel() * 4 * (world - 1), _median_ms(lambda: dist.all_gather(parts, x, group=group),
                                                                  group)))
     if rank == 0:
-        print(f"tensor parallel {world}, {REPS} reps each, median ms on rank 0 (replicated | vocabulary-parallel):")
+        print(f"tensor parallel {world}, {options().measure_reps} reps each, median ms on rank 0 (replicated | vocabulary-parallel):")
         for name, rep, par, same in rows:
             extra = "" if same is None else f"  (same logits: {same})"
             print(f"  {name:22s} {rep:8.2f} | {par:8.2f}  -> {'vocabulary-parallel' if par < rep else 'replicated'}"

@@ -21,14 +21,25 @@ from kvinfer.config import EngineConfig, ModelConfig
 from kvinfer.engine.model_runner import ModelRunner, StepPlan, row_chunks
 from kvinfer.errors import KvinferError, ValidationError
 from kvinfer.kv.factory import make_cache
+from kvinfer.options import Options, options
+from kvinfer.options import use as use_options
 from kvinfer.parallel.shard import CommStats, CollectiveModule, check_tp_size, exact_mode, local_config, shard_decoder
 
 log = logging.getLogger("kvinfer")
 
-# Rendezvous and start-up (every rank loads its model) may take minutes on a slow disk or a far node.
-START_TIMEOUT = timedelta(seconds=float(os.environ.get("KVINFER_TP_START_TIMEOUT", 300)))
-# A collective of a step that takes longer than this means a rank hangs: the engine fails instead of waiting.
-STEP_TIMEOUT = timedelta(seconds=float(os.environ.get("KVINFER_TP_STEP_TIMEOUT", 120)))
+
+
+def _start_timeout() -> timedelta:
+    """Rendezvous and start-up (every rank loads its model) may take minutes on a slow disk or a far node."""
+    return timedelta(seconds=options().tp_start_timeout)
+
+
+def _step_timeout() -> timedelta:
+    """A collective of a step that takes longer than this means a rank hangs: the engine fails instead of
+    waiting."""
+    return timedelta(seconds=options().tp_step_timeout)
+
+
 # Workers wait for rank 0's next step on their own group: an idle server must not time them out.
 IDLE_TIMEOUT = timedelta(days=7)
 DEFAULT_MULTINODE_PORT = 29500
@@ -111,19 +122,19 @@ def _join(rdv: Rendezvous, rank: int, device: torch.device, store=None):
     # control group (gloo, no practical timeout) carries rank 0's plans, for which an idle worker may wait for
     # hours; the compute group's all-reduces time out, so a hung rank fails the step.
     if rdv.torchrun:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=rdv.world, timeout=START_TIMEOUT)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=rdv.world, timeout=_start_timeout())
     else:
         if store is None:
-            store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=False, timeout=START_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=rdv.world, timeout=START_TIMEOUT)
+            store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=False, timeout=_start_timeout())
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=rdv.world, timeout=_start_timeout())
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    compute = dist.new_group(backend=_compute_backend(device), timeout=STEP_TIMEOUT)
+    compute = dist.new_group(backend=_compute_backend(device), timeout=_step_timeout())
     return control, compute
 
 
 def _join_watching(rdv: Rendezvous, device: torch.device, store, procs: list):
     """Rank 0's _join, in a thread, while this node's workers are watched: one that exits before the ranks meet
-    fails the start at once (naming the main guard when that is why) rather than after START_TIMEOUT."""
+    fails the start at once (naming the main guard when that is why) rather than after KVINFER_TP_START_TIMEOUT."""
     done: dict = {}
 
     def join():
@@ -177,8 +188,10 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="kvinfer-parent-watch", daemon=True).start()
 
 
-def _spawned_worker(config: EngineConfig, rdv: Rendezvous, rank: int, parent_pid: int) -> None:
-    """Entry of a worker process started by a node's main process (torch.multiprocessing, spawn)."""
+def _spawned_worker(config: EngineConfig, rdv: Rendezvous, rank: int, parent_pid: int, opts: Options) -> None:
+    """Entry of a worker process started by a node's main process (torch.multiprocessing, spawn), with its
+    switches (rank 0's, which may differ from the environment it inherited when set in-process)."""
+    use_options(opts)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 ends us
     _watch_parent(parent_pid)
     sys.exit(run_worker(config, rdv, rank))
@@ -258,7 +271,7 @@ def _spawn(config: EngineConfig, rdv: Rendezvous) -> list:
     ctx = mp.get_context("spawn")  # fork would copy this process's threads and torch state
     procs = []
     for r in rdv.spawn_ranks:
-        p = ctx.Process(target=_spawned_worker, args=(config, rdv, r, os.getpid()), daemon=True,
+        p = ctx.Process(target=_spawned_worker, args=(config, rdv, r, os.getpid(), options()), daemon=True,
                         name=f"kvinfer-tp-rank{r}")
         p.start()
         procs.append(p)
@@ -365,7 +378,7 @@ class TensorParallel:
             _set_threads(config, rdv.local_world)
         store = None
         if not rdv.torchrun:
-            store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=True, timeout=START_TIMEOUT,
+            store = dist.TCPStore(rdv.addr, rdv.port, rdv.world, is_master=True, timeout=_start_timeout(),
                                   wait_for_workers=False)
             rdv = dataclasses.replace(rdv, port=store.port)
         procs = _spawn(config, rdv)
@@ -378,7 +391,7 @@ class TensorParallel:
             _end_processes(procs, 0.0)
             _destroy()
             raise TensorParallelError(f"tensor-parallel ranks did not meet at {rdv.addr}:{rdv.port} within "
-                                      f"{START_TIMEOUT.total_seconds():.0f} s: {_first_line(e)}") from e
+                                      f"{options().tp_start_timeout:.0f} s: {_first_line(e)}") from e
         for m in loaded.model.modules():
             if isinstance(m, CollectiveModule):
                 m.group = compute

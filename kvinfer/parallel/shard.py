@@ -1,7 +1,6 @@
 """Tensor-parallel sharding of a loaded Decoder, from outside: heads, MLP and vocabulary split across ranks."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +15,7 @@ from kvinfer.layers.mlp import SwiGLU
 from kvinfer.layers.moe import MoE
 from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 from kvinfer.loaders.dequant import block_info
+from kvinfer.options import options
 
 
 def _fits(cfg: ModelConfig, tp: int) -> bool:
@@ -63,7 +63,7 @@ def exact_mode() -> bool:
     sum over its inputs and one all-reduce: half the collectives, but the sum's other order changes last bits,
     which the quantized kernels' int16 rounding of activations then amplifies (~1e-3 in logprobs, same tokens).
     """
-    return os.environ.get("KVINFER_TP_EXACT", "1") != "0"
+    return options().tp_exact
 
 
 @dataclass

@@ -1,0 +1,410 @@
+"""One level's kernel library (Kernels): each C call wrapped with its argument checks, and the helpers they share."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .abi import (_EBADSHAPE, _EBADTYPE, FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, QTYPES, AttnJob, DecodeJob,
+                  Sampling, _check, _declare, _short_rows)
+from .build import LEVELS
+from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, _drop_pages, _restore
+
+log = logging.getLogger("kvinfer.kernels")
+
+
+def _nt(n: Optional[int]) -> int:
+    return torch.get_num_threads() if n is None else int(n)
+
+
+
+def role_runs(spans: Sequence[tuple[int, int]], rows: int):
+    """The rows [0, rows) of a step as consecutive runs (start, end, is_prompt): the prompt spans (sorted, disjoint,
+    non-empty [start, end) row ranges) and the rows between them. ValueError when spans are not such ranges."""
+    done = 0
+    for a, b in spans:
+        if not done <= a < b <= rows:
+            raise ValueError(f"prompt rows {list(spans)} are not spans of a batch of {rows} rows")
+        if a > done:
+            yield done, a, False
+        yield a, b, True
+        done = b
+    if rows > done:
+        yield done, rows, False
+
+
+def _cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim:
+        raise ValueError(f"{name} must be a float32 CPU tensor with {dim} dims, got {t.dtype} {tuple(t.shape)} "
+                         f"on {t.device}")
+
+
+class Kernels:
+    """One level's library. The module-level functions call the active one; tests load others to compare."""
+
+    def __init__(self, level_name: str, path: Path):
+        self.level = level_name
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        _declare(self.lib)
+        if self.lib.kvq_level() != LEVELS.index(level_name):
+            raise RuntimeError(f"{path} is not a {level_name} build")
+        self.amx = False
+        self.prompt_route = False
+        self._want_prompt_route = False  # asked for (set_prompt_route); on only while the tiles are
+
+    @property
+    def amx_min_rows(self) -> int:
+        """Rows from which a quantised matmul runs on the AMX tiles when they are on (0: this level has none)."""
+        return int(self.lib.kvq_amx_min_rows())
+
+    def set_amx(self, on: bool) -> bool:
+        """Quantised matmuls of amx_min_rows rows and more on AMX tiles (the avx512 level, where the OS grants the
+        tile state; the same bits as without). Returns whether they now are."""
+        self.amx = bool(self.lib.kvq_amx_enable(int(bool(on))))
+        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(self._want_prompt_route)))
+        return self.amx
+
+    def set_prompt_route(self, on: bool) -> bool:
+        """Prompt rows (matmul_prompt) on AMX bfloat16 tiles: needs the tiles on (set_amx) and a CPU with AMX-BF16
+        and AVX512_BF16. Returns whether the route is now on."""
+        self._want_prompt_route = bool(on)
+        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(bool(on))))
+        return self.prompt_route
+
+    @property
+    def keeps_tiles(self) -> bool:
+        """Whether this level reads quantised weights from a copy laid out for its vectors (keep_tiles): the avx512
+        level, AMX or not (its vector route reads that layout too), every quantised type; the avx2 level, the
+        K-quants."""
+        return self.level in ("avx512", "avx2")
+
+    def keep_tiles(self, w: torch.Tensor, n: int, k: int, qtype: str,
+                   drop_source: bool = False) -> Optional["KeptTiles"]:
+        """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into tile layout (per 16 output columns: the
+        quants as VNNI instructions and AMX tiles take them, then the blocks' scales; as many bytes as the GGML
+        rows) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking, and the
+        vector route without its per-block transpose (docs/KQUANTS.md, docs/BENCHMARKS.md). None below the avx512
+        level or where W is not quantised; the copy lives (and stays registered) as long as the result.
+        drop_source (Q4_0, Q4_1, Q8_0, K-quants, IQ4_XS): W's pages are given back as they are packed, so the process holds the
+        weight once; W must then be read only by the kernels or after KeptTiles.restore_source()."""
+        if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
+                or w.stride(1) != 1):
+            return None
+        qt = QTYPES[qtype]
+        nbytes = self.lib.kvq_amx_tiles_bytes(n, k, qt)
+        if nbytes <= 0:
+            return None
+        tiles = torch.empty(nbytes, dtype=torch.uint8)
+        drop = drop_source and qtype in _DROPPABLE and (n <= 1 or w.is_contiguous())
+        ld, nt = w.stride(0), torch.get_num_threads()
+        # Dropping: packed in runs of rows (whole groups of 32 columns), each run's source pages given back once
+        # packed, so the copy never sits beside the whole source.
+        step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32) if drop else n
+        group = self.lib.kvq_amx_tiles_bytes(16, k, qt)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            _check(self.lib.kvq_amx_tiles_pack(w.data_ptr() + r0 * ld, r1 - r0, k, ld, qt,
+                                               tiles.data_ptr() + r0 // 16 * group, nt), "AMX tile packing")
+            if drop:
+                _drop_pages(w.data_ptr() + r0 * ld, (r1 - r0) * ld)
+        if self.lib.kvq_amx_tiles_register(w.data_ptr(), n, k, ld, qt, tiles.data_ptr()):
+            if drop:
+                _restore(self, tiles, w, n, k, qtype)
+            log.warning("AMX tile layout not kept for a %dx%d %s weight (registry full)", n, k, qtype)
+            return None
+        return KeptTiles(self, w, tiles, qtype, n, k, drop)
+
+    # -- matmul ---------------------------------------------------------------------------------------------
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> torch.Tensor:
+        """y[M, N] = x[M, K] @ W^T (+ bias). W: raw GGML rows (uint8 [N, row_bytes], qtype Q4_0/Q4_1/Q8_0) or a
+        float32/float16/bfloat16 [N, K] tensor (qtype ignored). x float32 [M, K] with contiguous rows."""
+        _cpu_f32("x", x, 2)
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError("x rows must be contiguous")
+        if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):
+            raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
+        M, K = x.shape
+        N = w.shape[0]
+        if w.dtype == torch.uint8:
+            qt = QTYPES.get(qtype)
+            if qt is None:
+                raise ValueError(f"quantised matmul supports {', '.join(QTYPES)}, not {qtype}")
+            if _short_rows(qtype, K, w.shape[1]):
+                raise ValueError(f"K={K} must be a multiple of 32 and fit in {w.shape[1]}-byte {qtype} rows")
+            ldw = w.stride(0) if N > 1 else w.shape[1]
+        elif w.dtype in FLOAT_TYPES:
+            qt = FLOAT_TYPES[w.dtype]
+            if w.shape[1] != K:
+                raise ValueError(f"w has {w.shape[1]} columns, x has {K}")
+            ldw = (w.stride(0) if N > 1 else K) * w.element_size()
+        else:
+            raise ValueError(f"w must be uint8 GGML rows or float32/float16/bfloat16, not {w.dtype}")
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).contiguous()
+            if tuple(bias.shape) != (N,):
+                raise ValueError(f"bias must have shape ({N},)")
+        if out is None:
+            out = torch.empty((M, N), dtype=torch.float32)
+        elif (out.dtype != torch.float32 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1)
+              or out.device.type != "cpu"):
+            raise ValueError(f"out must be a float32 CPU tensor of shape {(M, N)} with unit column stride")
+        rc = self.lib.kvq_matmul(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N, ldw, qt,
+                                 bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                 out.stride(0) if M > 1 else N, _nt(num_threads))
+        _check(rc, "matmul")
+        return out
+
+    def matmul_prompt(self, x: torch.Tensor, w: torch.Tensor, qtype: str, bias: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> Optional[torch.Tensor]:
+        """matmul() by the prompt rows' route: W (raw GGML rows with a kept tile copy) and x widened and rounded to
+        bfloat16, products summed by AMX bfloat16 tiles in K order; a row's bits depend on its own values only,
+        on this CPU. None when the route is off or W has no kept copy (use matmul)."""
+        if not self.prompt_route or w.dtype != torch.uint8 or qtype not in QTYPES:
+            return None
+        _cpu_f32("x", x, 2)
+        M, K = x.shape
+        N = w.shape[0]
+        if x.stride(1) != 1 and K > 1:
+            raise ValueError("x rows must be contiguous")
+        if out is None:
+            out = torch.empty((M, N), dtype=torch.float32)
+        rc = self.lib.kvq_matmul_prompt(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N,
+                                        w.stride(0) if N > 1 else w.shape[1], QTYPES[qtype],
+                                        bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                        out.stride(0) if M > 1 else N, _nt(num_threads))
+        if rc == -1:  # KVQ_EBADTYPE: no kept copy
+            return None
+        _check(rc, "prompt matmul")
+        return out
+
+    # -- attention ------------------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                  tok_seq: torch.Tensor, tok_pos: torch.Tensor, *, num_kv_heads: int, block_size: int,
+                  num_blocks: int, strides: tuple[int, int, int], scale: float, out: Optional[torch.Tensor] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                  num_threads: Optional[int] = None, kv_dtype: str = "float32",
+                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                  prompt_spans: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+        """Query tokens q [T, H, D] (rows may be strided) attend to positions [first, tok_pos[t]] of sequence
+        tok_seq[t], whose keys / values sit in k / v at table[p // block_size] * strides[0] + (p % block_size) *
+        strides[1] + kv_head * strides[2] (in elements). tables int64 [S, blocks]. Returns out [T, H, D].
+        kv_dtype int8 / fp8: k, v hold 8-bit values (torch.int8 / torch.uint8 e4m3 bits) and k_scale / v_scale
+        float32 the scale of each group of 32 values (of each row if D % 32) at the group's offset / its size;
+        bfloat16: k, v torch.bfloat16, no scales. prompt_spans: sorted, disjoint [start, end) rows that are prompt
+        tokens; where the prompt route is on (prompt_route) and takes the job (head size a multiple of 64 up to
+        256, no sliding window, float32 or bfloat16 cache) they attend by it (AMX bfloat16 tiles), the others as
+        usual."""
+        T, H, D = q.shape
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != D:
+            raise ValueError(f"q must be float32 [T, H, D] with contiguous heads, got {q.dtype} {tuple(q.shape)}")
+        kvt = KV_DTYPES.get(kv_dtype)
+        if kvt is None:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+        want = torch.float32 if kvt == 0 else KV_STORAGE[kv_dtype]
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != want or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a {want} CPU tensor for a {kv_dtype} cache")
+        scaled = kv_dtype in KV_SCALED
+        if scaled and (k_scale is None or v_scale is None or k_scale.dtype != torch.float32
+                       or v_scale.dtype != torch.float32):
+            raise ValueError("an 8-bit cache needs float32 k_scale and v_scale")
+        for name, t in (("tables", tables), ("tok_seq", tok_seq), ("tok_pos", tok_pos)):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int64 tensor")
+        if tables.dim() != 2 or tuple(tok_seq.shape) != (T,) or tuple(tok_pos.shape) != (T,):
+            raise ValueError("tables must be [S, blocks] and tok_seq / tok_pos [T]")
+        if T and int(tok_seq.max()) >= tables.shape[0]:
+            raise ValueError("tok_seq names a sequence outside tables")
+        kvh = num_kv_heads
+        if kvh <= 0 or H % kvh:
+            raise ValueError(f"{H} query heads cannot share {kvh} kv heads")
+        if out is None:
+            out = torch.empty((T, H, D), dtype=torch.float32)
+        slopes = None
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes.to(torch.float32).contiguous()
+            slopes = alibi_slopes.data_ptr()
+        job = AttnJob(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      k_scale.data_ptr() if scaled else None, v_scale.data_ptr() if scaled else None,
+                      tables.data_ptr(),
+                      tok_seq.data_ptr(), tok_pos.data_ptr(), slopes, T, H, kvh, D, block_size, num_blocks,
+                      tables.shape[1], q.stride(0) if T > 1 else H * D, out.stride(0) if T > 1 else H * D,
+                      strides[0], strides[1], strides[2], sliding_window or 0, scale, _nt(num_threads), kvt)
+        if not prompt_spans or not self.prompt_route:
+            _check(self.lib.kvq_attention(ctypes.byref(job)), "attention")
+            return out
+        for lo, hi, prompt in list(role_runs(prompt_spans, T)):  # (all checked before any call)
+            part = AttnJob.from_buffer_copy(job)
+            part.q = job.q + lo * job.q_stride * 4
+            part.out = job.out + lo * job.out_stride * 4
+            part.tok_seq, part.tok_pos = job.tok_seq + lo * 8, job.tok_pos + lo * 8
+            part.T = hi - lo
+            rc = self.lib.kvq_attention_prompt(ctypes.byref(part)) if prompt else _EBADTYPE
+            if rc == _EBADTYPE:  # an other row, or a job the prompt route does not take
+                rc = self.lib.kvq_attention(ctypes.byref(part))
+            _check(rc, "attention")
+        return out
+
+    # -- embedding lookup -----------------------------------------------------------------------------------
+    def embed_rows(self, w: torch.Tensor, qtype: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rows `ids` (any shape) of raw GGML rows w (uint8 [N, row_bytes], Q4_0/Q4_1/Q8_0) or a float32 /
+        float16 / bfloat16 [N, dim] tensor, as float32 [*ids.shape, dim]: the floats kvinfer.loaders.dequant
+        gives. An id outside [0, N) is a ValueError."""
+        if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):
+            raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
+        if w.dtype == torch.uint8:
+            qt = QTYPES.get(qtype)
+            if qt is None or _short_rows(qtype, dim, w.shape[1]):
+                raise ValueError(f"{qtype} rows of {w.shape[1]} bytes cannot hold {dim} elements")
+            ldw = w.stride(0)
+        elif w.dtype in FLOAT_TYPES and w.shape[1] == dim:
+            qt, ldw = FLOAT_TYPES[w.dtype], w.stride(0) * w.element_size()
+        else:
+            raise ValueError(f"w must be uint8 GGML rows or float [N, {dim}], not {w.dtype} {tuple(w.shape)}")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], dim), dtype=torch.float32)
+        rc = self.lib.kvq_embed_rows(w.data_ptr(), ldw, qt, flat.data_ptr(), flat.shape[0], w.shape[0], dim,
+                                     out.data_ptr())
+        if rc == _EBADSHAPE:
+            raise ValueError(f"token ids must be in [0, {w.shape[0]})")
+        _check(rc, "embedding lookup")
+        return out.view(*ids.shape, dim)
+
+    # -- row operations -------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of a float32 [..., n] tensor (rows contiguous)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape, dtype=torch.float32)
+        self.lib.kvq_rms_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), weight.data_ptr(), y.data_ptr(),
+                              x2.shape[1], x2.shape[1], eps, torch.get_num_threads())
+        return y.view(x.shape)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape, dtype=torch.float32)
+        self.lib.kvq_layer_norm(x2.data_ptr(), x2.shape[0], x2.stride(0), weight.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, y.data_ptr(), x2.shape[1],
+                                x2.shape[1], eps, torch.get_num_threads())
+        return y.view(x.shape)
+
+    def silu_mul(self, gu: torch.Tensor, inter: int) -> Optional[torch.Tensor]:
+        """silu(gu[:, :inter]) * gu[:, inter:] for float32 CPU [tokens, 2 * inter] with contiguous rows; None when
+        the tensor does not fit (the caller falls back)."""
+        if (gu.dtype != torch.float32 or gu.device.type != "cpu" or gu.dim() != 2 or gu.shape[1] != 2 * inter
+                or gu.stride(1) != 1):
+            return None
+        out = torch.empty((gu.shape[0], inter), dtype=torch.float32)
+        self.lib.kvq_silu_mul_rows(gu.data_ptr(), gu.shape[0], inter, gu.stride(0), out.data_ptr(),
+                                   torch.get_num_threads())
+        return out
+
+    def gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        xc = x.contiguous()
+        y = torch.empty_like(xc)
+        self.lib.kvq_gelu(xc.data_ptr(), y.data_ptr(), xc.numel(), int(approximate == "tanh"),
+                          torch.get_num_threads())
+        return y
+
+    def rope_pair_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate-half RoPE in place on q [tokens, heads, dim] and k [tokens, kv_heads, dim] (float32 CPU, heads
+        contiguous within a row) with cos / sin float32 contiguous [tokens, dim / 2]; False (touching neither)
+        when a layout does not fit."""
+        def fits(x):
+            return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                    and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0
+                    and tuple(cos.shape) == (x.shape[0], x.shape[2] // 2))
+
+        if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous() or sin.shape != cos.shape or not fits(q) or not fits(k)):
+            return False
+        nt = torch.get_num_threads()
+        for x in (q, k):
+            self.lib.kvq_rope_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(),
+                                   sin.data_ptr(), nt)
+        return True
+
+    def kv_store(self, x: torch.Tensor, dst: torch.Tensor, dst_scale: Optional[torch.Tensor], offsets: torch.Tensor,
+                 head_stride: int, kv_dtype: str) -> None:
+        """Quantise x [T, kv_heads, D] (float32, heads contiguous within a row) into an 8-bit or bfloat16 cache:
+        row t, head g at element offsets[t] + g * head_stride of dst, an 8-bit cache's group scales at their
+        offset / group size in dst_scale (None for bfloat16)."""
+        if kv_dtype not in KV_STORAGE or dst.dtype != KV_STORAGE[kv_dtype] or \
+                (kv_dtype in KV_SCALED) != (dst_scale is not None):
+            raise ValueError(f"kv_store: a {kv_dtype} cache stores into {KV_STORAGE.get(kv_dtype)} with "
+                             f"{'float32 scales' if kv_dtype in KV_SCALED else 'no scales'}")
+        T, KVH, D = x.shape
+        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != D:
+            x = x.contiguous()
+        offsets = offsets.to(torch.int64).contiguous()
+        self.lib.kvq_kv_store(x.data_ptr(), T, x.stride(0) if T > 1 else KVH * D, KVH, D, offsets.data_ptr(),
+                              head_stride, dst.data_ptr(), None if dst_scale is None else dst_scale.data_ptr(),
+                              KV_DTYPES[kv_dtype])
+
+    def fp8_values(self) -> torch.Tensor:
+        """The 256 e4m3 values, by bit pattern (NaN for 0x7f and 0xff)."""
+        return torch.tensor([self.lib.kvq_fp8_value(i) for i in range(256)], dtype=torch.float32)
+
+    def decode_step(self, job: DecodeJob) -> None:
+        _check(self.lib.kvq_decode_step(ctypes.byref(job)), "fused decode step")
+
+    def decode_steps(self, job: DecodeJob, nsteps: int, stop_ids: torch.Tensor, logits_all: torch.Tensor,
+                     tokens: torch.Tensor, sampling: Optional[Sampling] = None) -> int:
+        """Up to nsteps decode steps in one call (kvq_decode_steps), each row's next token its argmax or, with
+        `sampling`, drawn as sample_row draws it; returns the steps done."""
+        n = self.lib.kvq_decode_steps(ctypes.byref(job), nsteps, stop_ids.data_ptr(), stop_ids.numel(),
+                                      None if sampling is None else ctypes.byref(sampling), logits_all.data_ptr(),
+                                      tokens.data_ptr())
+        _check(min(n, 0), "fused decode steps")
+        return n
+
+    def sample_row(self, row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                   u: float) -> int:
+        """One token drawn from a row of logits (CPU float32, contiguous) with uniform number u in [0, 1): the
+        temperature, top-k, top-p and min-p of kvq_sample_row, which the fused multi-step decode applies too."""
+        n = row.numel()
+        work = torch.empty((self.lib.kvq_sample_work_bytes(n) + 7) // 8, dtype=torch.float64)
+        t = self.lib.kvq_sample_row(row.data_ptr(), n, temperature, top_k, top_p, min_p, u, work.data_ptr())
+        _check(min(t, 0), "sampling")
+        return t
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, u: torch.Tensor, allow: Optional[torch.Tensor] = None,
+                    num_threads: Optional[int] = None) -> list[int]:
+        """Each row of logits [rows, n] (CPU float32, contiguous) to a token: its argmax where temperature is 0,
+        else sample_row's draw with u (float64 [rows]); allow (int32 [rows, ceil(n / 32)], bit i of a row: token
+        i allowed) masks tokens as a -inf logit would. Per-row parameters: float32 / int64 tensors [rows]."""
+        rows, n = logits.shape
+        words = 0 if allow is None else allow.shape[1]
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self.lib.kvq_sample_rows(logits.data_ptr(), rows, n, temperature.data_ptr(), top_k.data_ptr(),
+                                        top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(),
+                                        None if allow is None else allow.data_ptr(), words, out.data_ptr(),
+                                        _nt(num_threads)), "sampling")
+        return out.tolist()
+
+    def sample_probs(self, row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                     min_p: float) -> torch.Tensor:
+        """The probabilities sample_row draws from (float32 [n]; exactly 0 outside the filters)."""
+        n = row.numel()
+        work = torch.empty((self.lib.kvq_sample_work_bytes(n) + 7) // 8, dtype=torch.float64)
+        probs = torch.empty(n, dtype=torch.float32)
+        _check(self.lib.kvq_sample_probs(row.data_ptr(), n, temperature, top_k, top_p, min_p, probs.data_ptr(),
+                                         work.data_ptr()), "sampling")
+        return probs
+
+    def argmax_rows(self, x: torch.Tensor) -> list[int]:
+        """Each row's argmax as decode_steps takes it (x: [rows, n] contiguous float32)."""
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.kvq_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out.tolist()
+
