@@ -427,7 +427,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from kvinfer.config import FAMILIES, PRESETS
+    from kvinfer.config import PRESETS
+    from kvinfer.models.families import FAMILIES
 
     try:
         from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES

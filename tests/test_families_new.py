@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.config import model_config_from_hf
 from kvinfer.errors import ModelLoadError, UnsupportedError
+from kvinfer.models.families import model_config_from_hf
 from tests.reference_helpers import (TINY_LLAMA_LIKE, hf_greedy, hf_logits, load_decoder, prompts, save_tiny,
                                      step_logits)
 from tests.test_exactness import _SETTINGS, _alone, _check, _requests, ways
@@ -212,7 +212,7 @@ def test_bad_configs_are_one_line_errors(d, msg):
                                                    ("gemma-3-1b", 1.0e9, 1.0e9), ("phi-4-mini", 3.8e9, 3.8e9)])
 def test_plan_shows_total_and_active_parameters(preset, total, active):
     """The released models' published sizes; weight memory is planned for every expert."""
-    from kvinfer.config import preset_config
+    from kvinfer.models.families import preset_config
     from kvinfer.lab.plan import format_plan, make_plan
 
     cfg = preset_config(preset)

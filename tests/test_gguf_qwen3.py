@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvinfer.config import EngineConfig, model_config_from_hf
+from kvinfer.config import EngineConfig
 from kvinfer.loaders.gguf_loader import read_gguf
 from kvinfer.loaders.model_loader import load_model
+from kvinfer.models.families import model_config_from_hf
 from tests.reference_helpers import hf_logits, step_logits
 from kvinfer.utils import builtin_model_path
 from tests.test_gguf_loader import gguf_name, same_config

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from kvinfer import kernels
-from kvinfer.config import PRESETS, EngineConfig, ModelConfig, load_hf_config, preset_config
+from kvinfer.config import PRESETS, EngineConfig, ModelConfig
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.models.decoder import Decoder
+from kvinfer.models.families import load_hf_config, preset_config
 from kvinfer.models.weights import load_into
 from kvinfer.utils import builtin_model_path, gc_paused
 
