@@ -245,7 +245,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
     if ecfg.chat_template is not None:
         if tokenizer is None:
             raise ModelLoadError("--chat-template needs a tokenizer (this model has none: give --tokenizer DIR)")
-        from kvinfer.loaders.tokenizer import read_chat_template
+        from kvinfer.loaders.chat_template import read_chat_template
 
         tokenizer.set_chat_template(*read_chat_template(ecfg.chat_template))
     model = model.to(device=device, dtype=dtype)
