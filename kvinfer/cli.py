@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the supported model architectures, formats and GGUF tensor types.")
     m.set_defaults(func=cmd_models)
 
-    for modname in ("kvinfer.server.cli", "kvinfer.bench.cli", "kvinfer.perplexity", "kvinfer.lab.cli"):
+    for modname in ("kvinfer.server.cli", "kvinfer.bench.cli", "kvinfer.bench.perplexity", "kvinfer.lab.cli"):
         try:
             mod = __import__(modname, fromlist=["register"])
         except ImportError:

@@ -12,7 +12,7 @@ LAYERS = {
     2: ["models", "loaders", "kv"],
     3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],
-    5: ["server", "cli", "cli_chat", "bench", "lab", "perplexity"],
+    5: ["server", "cli", "cli_chat", "bench", "lab"],
 }
 TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "kv.interface", "request", "sampling_params", "errors", "config",
               "spec.ngram", "spec.speculator"]
