@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,44 +11,10 @@ from kvinfer import LLM, SamplingParams
 from kvinfer.errors import UnsupportedError
 from kvinfer.layers.alibi import alibi_slopes
 from kvinfer.models.families import FAMILIES, model_config_from_hf
-from tests.reference_helpers import (TINY_LLAMA_LIKE, engine_greedy, hf_greedy, hf_logits, load_decoder, prompts,
-                                     save_tiny, step_logits)
+from tests.family_helpers import FAMS, WINDOW
+from tests.reference_helpers import engine_greedy, hf_greedy, hf_logits, load_decoder, prompts, save_tiny, step_logits
 
 BACKENDS = ("none", "contiguous", "paged")
-WINDOW = 8  # Mistral's sliding window: shorter than every sequence below, so it really cuts
-
-
-@dataclass
-class Family:
-    config_cls: str
-    model_cls: str
-    config: dict
-    expect: dict  # ModelConfig fields the normaliser must set for this family
-    init: dict = field(default_factory=dict)
-
-
-FAMS = {
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", dict(TINY_LLAMA_LIKE),
-                    dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)),
-    # head_dim 32 with 4 heads: q is wider than the hidden size, as in the real Qwen3s.
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(TINY_LLAMA_LIKE, head_dim=32),
-                    dict(qkv_bias=False, o_bias=False, qk_norm=True, head_dim=32, sliding_window=None)),
-    "mistral": Family("MistralConfig", "MistralForCausalLM", dict(TINY_LLAMA_LIKE, sliding_window=WINDOW),
-                      dict(qkv_bias=False, o_bias=False, sliding_window=WINDOW, position="rope")),
-    # GELU MLPs and tied heads settle into repeating one token unless the blocks outweigh the embeddings.
-    "gpt2": Family("GPT2Config", "GPT2LMHeadModel",
-                   dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1,
-                        eos_token_id=2),
-                   dict(position="learned", norm="layer", norm_bias=True, mlp="gelu", activation="gelu_tanh",
-                        qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True),
-                   dict(gain=2.0, embed_std=0.1)),
-    # 6 heads: not a power of two, so ALiBi's extra-slope rule is exercised.
-    "bloom": Family("BloomConfig", "BloomForCausalLM",
-                    dict(vocab_size=256, hidden_size=96, n_layer=2, n_head=6, seq_length=256),
-                    dict(position="alibi", norm="layer", embedding_norm=True, mlp="gelu", activation="gelu_tanh",
-                         num_heads=6, head_dim=16, intermediate_size=384, tie_word_embeddings=True),
-                    dict(gain=2.0, embed_std=0.1)),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -261,6 +227,7 @@ def test_unsupported_model_type_names_it_and_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt_neox", vocab_size=256)))
     with pytest.raises(UnsupportedError, match="'gpt_neox'.*supported: .*bloom.*gpt2.*llama.*mistral.*qwen2.*qwen3"):
         LLM(str(tmp_path), dtype="float32")
+
 
 def test_every_family_is_registered_once_with_its_knowledge():
     from kvinfer.loaders.gguf_loader import SUPPORTED_ARCHITECTURES
