@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvinfer.cli import build_parser, main
-from tests.test_gguf_loader import tiny_llama, write_gguf  # noqa: F401  (fixture reused)
+from tests.gguf_helpers import tiny_llama, write_gguf  # noqa: F401  (fixture reused)
 
 KVINFER = [sys.executable, "-m", "kvinfer.cli"]
 

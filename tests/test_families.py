@@ -2,53 +2,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.config import FAMILIES, model_config_from_hf
 from kvinfer.errors import UnsupportedError
 from kvinfer.layers.alibi import alibi_slopes
-from tests.reference_helpers import (TINY_LLAMA_LIKE, engine_greedy, hf_greedy, hf_logits, load_decoder, prompts,
-                                     save_tiny, step_logits)
+from kvinfer.models.families import FAMILIES, model_config_from_hf
+from tests.family_helpers import FAMS, WINDOW
+from tests.reference_helpers import engine_greedy, hf_greedy, hf_logits, load_decoder, prompts, save_tiny, step_logits
 
 BACKENDS = ("none", "contiguous", "paged")
-WINDOW = 8  # Mistral's sliding window: shorter than every sequence below, so it really cuts
-
-
-@dataclass
-class Family:
-    config_cls: str
-    model_cls: str
-    config: dict
-    expect: dict  # ModelConfig fields the normaliser must set for this family
-    init: dict = field(default_factory=dict)
-
-
-FAMS = {
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", dict(TINY_LLAMA_LIKE),
-                    dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)),
-    # head_dim 32 with 4 heads: q is wider than the hidden size, as in the real Qwen3s.
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(TINY_LLAMA_LIKE, head_dim=32),
-                    dict(qkv_bias=False, o_bias=False, qk_norm=True, head_dim=32, sliding_window=None)),
-    "mistral": Family("MistralConfig", "MistralForCausalLM", dict(TINY_LLAMA_LIKE, sliding_window=WINDOW),
-                      dict(qkv_bias=False, o_bias=False, sliding_window=WINDOW, position="rope")),
-    # GELU MLPs and tied heads settle into repeating one token unless the blocks outweigh the embeddings.
-    "gpt2": Family("GPT2Config", "GPT2LMHeadModel",
-                   dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1,
-                        eos_token_id=2),
-                   dict(position="learned", norm="layer", norm_bias=True, mlp="gelu", activation="gelu_tanh",
-                        qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True),
-                   dict(gain=2.0, embed_std=0.1)),
-    # 6 heads: not a power of two, so ALiBi's extra-slope rule is exercised.
-    "bloom": Family("BloomConfig", "BloomForCausalLM",
-                    dict(vocab_size=256, hidden_size=96, n_layer=2, n_head=6, seq_length=256),
-                    dict(position="alibi", norm="layer", embedding_norm=True, mlp="gelu", activation="gelu_tanh",
-                         num_heads=6, head_dim=16, intermediate_size=384, tie_word_embeddings=True),
-                    dict(gain=2.0, embed_std=0.1)),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -261,3 +227,40 @@ def test_unsupported_model_type_names_it_and_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt_neox", vocab_size=256)))
     with pytest.raises(UnsupportedError, match="'gpt_neox'.*supported: .*bloom.*gpt2.*llama.*mistral.*qwen2.*qwen3"):
         LLM(str(tmp_path), dtype="float32")
+
+
+def test_every_family_is_registered_once_with_its_knowledge():
+    from kvinfer.loaders.gguf_loader import SUPPORTED_ARCHITECTURES
+    from kvinfer.models.families import GGUF_FAMILIES, by_architecture
+
+    assert len({f.architecture for f in FAMILIES.values()}) == len(FAMILIES)
+    for model_type, fam in FAMILIES.items():
+        assert fam.model_type == model_type and by_architecture(fam.architecture) is fam
+    assert SUPPORTED_ARCHITECTURES == tuple(GGUF_FAMILIES) == ("llama", "qwen2", "qwen3", "gemma3", "phi3",
+                                                                 "qwen3moe")
+    assert all(fam.gguf.architecture == arch for arch, fam in GGUF_FAMILIES.items())
+
+
+def test_a_family_registered_from_one_file_loads(tmp_path):
+    """What a new family's file does (register a normaliser and a weight map) is all loading a checkpoint needs."""
+    from kvinfer.models.families import registry
+    from kvinfer.models.families.llama import llama_like, map_llama
+    from tests.conftest import save_tiny_llama
+
+    save_tiny_llama(tmp_path / "llama")
+    d = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "config.json").write_text(json.dumps(dict(d, model_type="toy_llama")))
+    (tmp_path / "toy" / "model.safetensors").symlink_to(tmp_path / "llama" / "model.safetensors")
+    with pytest.raises(UnsupportedError, match="'toy_llama'"):
+        load_decoder(tmp_path / "toy")
+    fam = registry.register(registry.Family("toy_llama", "toy", lambda d: llama_like(d, "toy"), map_llama))
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            registry.register(fam)
+        toy, llama = load_decoder(tmp_path / "toy"), load_decoder(tmp_path / "llama")
+        assert toy.config.architecture == "toy"
+        want = dict(llama.model.named_parameters())
+        assert all(torch.equal(p, want[n]) for n, p in toy.model.named_parameters())
+    finally:
+        del registry.FAMILIES["toy_llama"], registry._BY_ARCHITECTURE["toy"]

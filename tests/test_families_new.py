@@ -6,53 +6,14 @@ import torch
 from hypothesis import given, settings
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.config import model_config_from_hf
 from kvinfer.errors import ModelLoadError, UnsupportedError
+from kvinfer.models.families import model_config_from_hf
+from tests.exactness_helpers import HYPOTHESIS_SETTINGS, check_served, sample_requests, serve_alone, ways
+from tests.family_helpers import GEMMA3, NEW_FAMS as FAMS
 from tests.reference_helpers import (TINY_LLAMA_LIKE, hf_greedy, hf_logits, load_decoder, prompts, save_tiny,
                                      step_logits)
-from tests.test_exactness import _SETTINGS, _alone, _check, _requests, ways
-from tests.test_families import Family
 
 BACKENDS = ("none", "contiguous", "paged")
-
-# Three layers: windowed, global, windowed, each kind with its own RoPE base (the global one linearly scaled); a
-# window shorter than the prompts; a softmax scale not head_dim ** -0.5; logit soft-capping.
-GEMMA3 = dict(TINY_LLAMA_LIKE, num_hidden_layers=3, head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
-              layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=30.0,
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
-# Partial rotary (half of each head) with longrope factors; the prompts stay within the original length, where
-# transformers and kvinfer both take the short factors.
-PHI3 = dict(TINY_LLAMA_LIKE, pad_token_id=0, original_max_position_embeddings=64,
-            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                             "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 4.0, 5.0]})
-
-FAMS = {
-    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3,
-                     dict(sandwich_norm=True, qk_norm=True, layer_windows=(6, None, 6), rope_local_theta=100.0,
-                          embed_scale=8.0, attn_scale=24 ** -0.5, final_logit_softcap=30.0, activation="gelu_tanh",
-                          tie_word_embeddings=True, sliding_window=None),
-                     # The embeddings are scaled by sqrt(hidden): small ones keep a tied head from repeating.
-                     dict(gain=2.0, embed_std=0.05)),
-    "phi3": Family("Phi3Config", "Phi3ForCausalLM", PHI3, dict(rotary_dim=8, qkv_bias=False, sliding_window=None)),
-    # Top-2 of 8 experts without renormalising (Qwen3-MoE's default), with q/k norms.
-    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        dict(TINY_LLAMA_LIKE, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=32, norm_topk_prob=False),
-                        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
-                             qk_norm=True)),
-    # Softmax, top-2 of 4, renormalised (always, in Mixtral).
-    "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
-                      dict(TINY_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-                      dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                           sliding_window=None)),
-    # A sigmoid-gated shared expert beside top-3 of 6.
-    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                        dict(TINY_LLAMA_LIKE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
-                             shared_expert_intermediate_size=48, norm_topk_prob=True),
-                        dict(num_experts=6, num_experts_per_tok=3, shared_expert_intermediate_size=48,
-                             qkv_bias=True)),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,13 +77,13 @@ def test_greedy_matches_transformers(name, kind, prefix, ref_of):
 @pytest.mark.parametrize("name", FAMS)
 def test_every_new_family_is_exact_however_served(name, ref_of):
     path, hf, loaded, *_ = ref_of(name)
-    reqs = _requests(loaded.config.vocab_size, 3)
-    alone = _alone(loaded, path, reqs)
+    reqs = sample_requests(loaded.config.vocab_size, 3)
+    alone = serve_alone(loaded, path, reqs)
 
-    @settings(max_examples=4, **_SETTINGS)
+    @settings(max_examples=4, **HYPOTHESIS_SETTINGS)
     @given(way=ways)
     def prop(way):
-        _check(loaded, path, reqs, alone, way)
+        check_served(loaded, path, reqs, alone, way)
 
     prop()
 
@@ -212,7 +173,7 @@ def test_bad_configs_are_one_line_errors(d, msg):
                                                    ("gemma-3-1b", 1.0e9, 1.0e9), ("phi-4-mini", 3.8e9, 3.8e9)])
 def test_plan_shows_total_and_active_parameters(preset, total, active):
     """The released models' published sizes; weight memory is planned for every expert."""
-    from kvinfer.config import preset_config
+    from kvinfer.models.families import preset_config
     from kvinfer.lab.plan import format_plan, make_plan
 
     cfg = preset_config(preset)

@@ -80,7 +80,7 @@ def test_a_model_with_mixed_type_projections_decodes_fused_bitwise(tmp_path):
     # Q4_K_M files mix types inside q/k/v (and sometimes gate/up): each part is its own matmul in the C step, as in
     # the eager path's QuantParts, so the tokens and logprobs are the eager path's exactly.
     from kvinfer.layers.quant_linear import QuantParts
-    from tests.test_gguf_mixed import TYPES, write_mixed
+    from tests.gguf_helpers import TYPES, write_mixed
 
     types = dict(TYPES, **{"blk.0.ffn_gate.weight": "Q4_0", "blk.0.ffn_down.weight": "Q8_0"})  # all kernel types
     path = write_mixed(tmp_path / "mixed.gguf", types=types)

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.config import EngineConfig, load_hf_config
+from kvinfer.config import EngineConfig
 from kvinfer.errors import ModelLoadError, UnsupportedError
 from kvinfer.layers.quant_linear import QuantLinear
 from kvinfer.loaders.gguf_loader import read_gguf, read_metadata, read_metadata_config
 from kvinfer.loaders.model_loader import load_model
+from kvinfer.models.families import load_hf_config
 from kvinfer.utils import builtin_model_path
+from tests.family_helpers import GEMMA3, NEW_FAMS as FAMS
 from tests.reference_helpers import hf_greedy, hf_logits, prompts, save_tiny, step_logits
-from tests.test_families_new import FAMS, GEMMA3
 
 # llama.cpp's converter, from the llama-cpp-python sdist (or a path to convert_hf_to_gguf.py itself).
 # `make test` fetches it (scripts/fetch_llama_sdist.py) into .venv/sdist.

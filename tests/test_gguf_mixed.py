@@ -8,74 +8,18 @@ import subprocess
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
-from gguf.quants import quantize as ref_quantize
 
 from kvinfer import kernels
 from kvinfer.config import EngineConfig
 from kvinfer.layers.quant_linear import QuantLinear, QuantParts
 from kvinfer.loaders.model_loader import load_model
 from kvinfer.utils import builtin_model_path
+from tests.gguf_helpers import TYPES, write_mixed
 from tests.reference_helpers import step_logits
 
 LLAMA_QUANTIZE = Path("/work/llama/build/bin/llama-quantize")
-H, FFN, HEADS, KV, LAYERS, VOCAB = 64, 128, 4, 2, 2, 64
-# Layer 0 mixes types inside both fused projections; layer 1 is uniform.
-TYPES = {
-    "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0", "blk.0.attn_v.weight": "Q8_0",
-    "blk.0.ffn_gate.weight": "Q5_1", "blk.0.ffn_up.weight": "Q8_0", "blk.0.ffn_down.weight": "Q5_1",
-    "blk.0.attn_output.weight": "Q8_0", "token_embd.weight": "Q8_0", "output.weight": "Q4_0",
-}
-
-
-def write_mixed(path: Path, seed: int = 0, types: dict | None = None) -> Path:
-    rng = np.random.default_rng(seed)
-    types = TYPES if types is None else types
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(H // HEADS)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(["<s>", "</s>"] + [f"t{i}" for i in range(2, VOCAB)])
-    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
-    w.add_token_merges([])
-    w.add_eos_token_id(1)
-    shapes = {"token_embd.weight": (VOCAB, H), "output.weight": (VOCAB, H), "output_norm.weight": (H,)}
-    for i in range(LAYERS):
-        shapes.update({f"blk.{i}.attn_norm.weight": (H,), f"blk.{i}.ffn_norm.weight": (H,),
-                       f"blk.{i}.attn_q.weight": (H, H), f"blk.{i}.attn_k.weight": (KV * H // HEADS, H),
-                       f"blk.{i}.attn_v.weight": (KV * H // HEADS, H), f"blk.{i}.attn_output.weight": (H, H),
-                       f"blk.{i}.ffn_gate.weight": (FFN, H), f"blk.{i}.ffn_up.weight": (FFN, H),
-                       f"blk.{i}.ffn_down.weight": (H, FFN)})
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
-            continue
-        a = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        t = T[types.get(name, "Q8_0")]
-        if t == T.IQ4_NL:  # the gguf package cannot quantise it: random table indices, small fp16 scales
-            blocks = rng.integers(0, 256, (shape[0], shape[1] // 32, 18), dtype=np.uint8)
-            d = rng.uniform(0.001, 0.003, blocks.shape[:2]).astype(np.float16)
-            blocks[:, :, :2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
-            w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=t)
-            continue
-        w.add_tensor(name, ref_quantize(a, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def load(path: Path, quantization: str = "auto"):
     return load_model(EngineConfig(model=str(path), dtype="float32", device="cpu", quantization=quantization))
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvinfer.config import EngineConfig, model_config_from_hf
+from kvinfer.config import EngineConfig
 from kvinfer.loaders.gguf_loader import read_gguf
 from kvinfer.loaders.model_loader import load_model
-from tests.reference_helpers import hf_logits, step_logits
+from kvinfer.models.families import model_config_from_hf
 from kvinfer.utils import builtin_model_path
-from tests.test_gguf_loader import gguf_name, same_config
+from tests.gguf_helpers import gguf_name, same_config
+from tests.reference_helpers import hf_logits, step_logits
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 

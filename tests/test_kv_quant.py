@@ -13,7 +13,7 @@ from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.config import EngineConfig
 from kvinfer.errors import ValidationError
 from kvinfer.kv.cache import PagedCache, SeqSlice
-from tests.test_quantized_fidelity import PROMPTS
+from tests.builtin_helpers import PROMPTS
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the 8-bit KV cache needs the CPU kernels")
 

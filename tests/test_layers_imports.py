@@ -12,7 +12,7 @@ LAYERS = {
     2: ["models", "loaders", "kv"],
     3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],
-    5: ["server", "cli", "bench", "lab", "perplexity"],
+    5: ["server", "cli", "cli_chat", "bench", "lab"],
 }
 TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "kv.interface", "request", "sampling_params", "errors", "config",
               "spec.ngram", "spec.speculator", "options"]
@@ -62,3 +62,20 @@ def test_bookkeeping_is_torch_free():
     for mod in TORCH_FREE:
         path = ROOT / (mod.replace(".", "/") + ".py")
         assert not [i for i in imports(path) if i.split(".")[0] in ("torch", "numpy")], mod
+
+
+def test_tests_import_helpers_not_other_tests():
+    """Shared fixtures and helpers live in conftest.py or *_helpers.py: a test module importing another runs the
+    other's module-level setup and ties the two files together."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            bad += [f"{path.relative_to(tests)} imports {n}" for n in names
+                    if n.split(".")[-1].startswith("test_")]
+    assert not bad, "\n".join(bad)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvinfer import LLM, SamplingParams
-from kvinfer.config import FAMILIES
+from kvinfer.models.families import FAMILIES
 from kvinfer.errors import ModelLoadError, UnsupportedError
 from tests.reference_helpers import (TINY_LLAMA_LIKE, engine_greedy, hf_greedy, hf_logits, load_decoder, prompts,
                                      save_tiny, step_logits)

@@ -10,7 +10,7 @@ import torch
 from kvinfer.cli import main
 from kvinfer.config import EngineConfig
 from kvinfer.engine.llm_engine import LLMEngine
-from kvinfer.perplexity import chunk_tokens, evaluate, perplexity
+from kvinfer.bench.perplexity import chunk_tokens, evaluate, perplexity
 from tests.reference_helpers import hf_logits
 
 

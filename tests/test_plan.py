@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from kvinfer.cli import main
-from kvinfer.config import EngineConfig, load_hf_config, preset_config
+from kvinfer.config import EngineConfig
 from kvinfer.errors import ValidationError
 from kvinfer.lab.plan import make_plan, parse_workload, resolve_model_config
+from kvinfer.models.families import load_hf_config, preset_config
 
 GIB = 1 << 30
 

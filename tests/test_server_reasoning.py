@@ -10,8 +10,8 @@ import pytest
 
 from kvinfer.engine.outputs import CompletionOutput, RequestOutput
 from kvinfer.server.reasoning import ReasoningParser
-from kvinfer.server.responses import ChatReply, TokenText
-from kvinfer.server.tools import ToolContext
+from kvinfer.server.replies import ChatReply, TokenText
+from kvinfer.server.tool_calls import ToolContext
 from server_helpers import engine_config, start_server
 
 TEXTS = ["<think>Let me see. 2+2 is 4.</think>\n\nThe answer is 4.", "<think>\nhmm</think>4", "The answer is 4.",

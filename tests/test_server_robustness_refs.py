@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvinfer.errors import ValidationError
-from kvinfer.server.tools import forced_call_spec
+from kvinfer.server.tool_calls import forced_call_spec
 from server_helpers import assert_error_shape, engine_config, start_server
 
 TREE = {"type": "object", "properties": {"value": {"type": "integer"},

@@ -248,7 +248,7 @@ def test_streamed_forced_call_sends_arguments_as_they_come(srv, client, tool_cho
 
 
 def test_forced_required_stream_deltas_rebuild_every_call():
-    from kvinfer.server.tools import ToolStream, parse_forced, partial_calls
+    from kvinfer.server.tool_calls import ToolStream, parse_forced, partial_calls
 
     text = '[{"name": "get_weather", "arguments": {"city": "O\\"slo", "n": [1, {"a": "}"}]}}, ' \
            '{"name":"get_time","arguments":{}}]'

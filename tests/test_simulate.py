@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvinfer.cli import main
-from kvinfer.config import preset_config
+from kvinfer.models.families import preset_config
 from kvinfer.errors import ValidationError
 from kvinfer.kv.manager import PagedKVManager
 from kvinfer.lab import simulate as sim

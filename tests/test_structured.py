@@ -10,7 +10,7 @@ import pytest
 from kvinfer.engine.llm import LLM
 from kvinfer.errors import ValidationError
 from kvinfer.sampling_params import SamplingParams, StructuredOutput
-from kvinfer.server.tools import (HERMES, LLAMA3, ToolStream, closed_objects, parse_tool_calls,
+from kvinfer.server.tool_calls import (HERMES, LLAMA3, ToolStream, closed_objects, parse_tool_calls,
                                   parser_for_template)
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],

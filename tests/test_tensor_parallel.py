@@ -146,7 +146,7 @@ def test_bench_reports_the_allreduce_share(capsys):
 
 
 def test_simulator_tp_cost_term():
-    from kvinfer.config import preset_config
+    from kvinfer.models.families import preset_config
     from kvinfer.lab import simulate as sim
     from kvinfer.request import Request
     from kvinfer.sampling_params import SamplingParams

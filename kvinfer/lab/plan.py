@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvinfer.config import KV_CACHE_DTYPES, kv_element_bytes, PRESETS, ModelConfig, load_hf_config, preset_config
+from kvinfer.config import KV_CACHE_DTYPES, kv_element_bytes, PRESETS, ModelConfig
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.utils import format_bytes
 
@@ -43,6 +43,9 @@ def resolve_model_config(model: Optional[str]) -> tuple[ModelConfig, str]:
 
         path = builtin_model_path()
         return _gguf_config(path), f"{path.name} (built-in)"
+    # Imported here: the families' modules bring torch, which the planner's arithmetic does not need.
+    from kvinfer.models.families import load_hf_config, preset_config
+
     if model in PRESETS:
         return preset_config(model), f"{model} (preset)"
     p = Path(model)

@@ -1,4 +1,6 @@
-"""GGUF files: our own parser, metadata -> ModelConfig, and dequantised tensors under Hugging Face names."""
+"""GGUF files: our own parser, metadata -> ModelConfig, and dequantised tensors under Hugging Face names.
+
+What llama.cpp writes differently per family (names, metadata) is the family's GGUFNames (kvinfer/models/families/)."""
 from __future__ import annotations
 
 import logging
@@ -13,18 +15,19 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from kvinfer.config import ModelConfig, model_config_from_hf
+from kvinfer.config import ModelConfig
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
 from kvinfer.loaders.gguf_plan import as_q8_0, expected_shape, kernel_type, lazy_names, widening_note
+from kvinfer.models.families import GGUF_FAMILIES, model_config_from_hf
+from kvinfer.models.families.llama import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, rope_scaling_from_freqs,
+                                           unpermute_rows)
+from kvinfer.models.families.moe import gguf_experts
 
 log = logging.getLogger("kvinfer")
 
-# llama covers Mixtral too (the llama architecture with expert tensors).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
-# GGUF architecture -> the Hugging Face model_type whose config normaliser it goes through.
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "phi3": "phi3",
-                "qwen3moe": "qwen3_moe"}
+# The families with GGUFNames (kvinfer/models/families/); llama covers Mixtral too (llama with expert tensors).
+SUPPORTED_ARCHITECTURES = tuple(GGUF_FAMILIES)
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -37,51 +40,13 @@ _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head RMSNorm on q and k
-    "attn_k_norm": "self_attn.k_norm",
-    # Mixture of experts: the router, and each projection of every expert stacked in one 3-D tensor
-    # [experts, rows, cols] (split into per-expert matrices by _unstack_experts).
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-# Where an architecture's names differ from the table above.
-_ARCH_LAYER_NAMES = {
-    # Gemma 3's sandwich: ffn_norm is the norm before the MLP, and the norms after attention and the MLP.
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    # Phi-3 keeps its fused [q; k; v] and [gate; up] (ffn_up has 2 * feed_forward_length rows).
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-}
 _STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\w+)\.weight")
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.\d+\.(\w+)\.weight")  # one expert's matrix
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
-# Phi-3's longrope factors, read into the config rather than loaded as weights.
-_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _INT_KEYS = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
              "attention.head_count_kv", "context_length", "vocab_size", "attention.key_length", "expert_count",
              "expert_used_count", "expert_feed_forward_length")
-# llama.cpp's layer pattern for Gemma 3 when the file names none: every sixth layer global, the rest windowed.
-_GEMMA3_SWA_PATTERN = 6
-# llama.cpp's converter permutes q/k rows only for these architectures (qwen2/qwen3 keep HF's layout).
-_PERMUTED_ARCHS = ("llama",)
 
 
 @dataclass
@@ -358,12 +323,12 @@ def read_metadata(path: Union[str, Path]) -> dict[str, Any]:
 
 
 def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if not m:
         return None
-    hf = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    hf = GGUF_FAMILIES[arch].gguf.layer_names.get(m.group(2)) or GGUF_LAYER_NAMES.get(m.group(2))
     return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
 
 
@@ -387,59 +352,40 @@ def _unstack_experts(tensors: dict) -> dict:
     return out
 
 
-def _llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
-    """The per-frequency divisors llama.cpp's converter stores as rope_freqs.weight for Llama-3 scaling."""
-    out = []
-    for i in range(0, dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / dim)
-        if wavelen < orig / high:
-            out.append(1.0)
-        elif wavelen > orig / low:
-            out.append(factor)
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float64)
+class _Header:
+    """What a family's GGUF config hook reads (GGUFNames.config): the file, its architecture's metadata, tensors."""
 
+    def __init__(self, f: _File, arch: str, infos: dict[str, _TensorInfo]):
+        self._f, self.path, self.arch, self.infos = f, f.path, arch, infos
 
-def _rope_scaling_from_freqs(freqs: np.ndarray, theta: float, dim: int, meta: dict, arch: str, path: Path) -> dict:
-    # The converter keeps only the resulting factors; find the Llama-3 parameters that reproduce them.
-    factor = float(str(np.float32(freqs.max())))
-    origs = [8192]
-    orig_key = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if isinstance(orig_key, int):
-        origs.insert(0, orig_key)
-    for orig in origs:
-        for low, high in ((1.0, 4.0),):
-            want = _llama3_rope_factors(theta, dim, factor, low, high, orig)
-            if want.shape == freqs.shape and np.allclose(freqs, want, rtol=1e-3, atol=1e-5):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                        "high_freq_factor": high, "original_max_position_embeddings": orig}
-    raise UnsupportedError(
-        f"GGUF file {path}: rope_freqs.weight does not match Llama-3 RoPE scaling, "
-        "and other per-frequency RoPE factors are not supported"
-    )
+    def opt(self, key: str, default=None):
+        full = f"{self.arch}.{key}"
+        v = self._f.metadata.get(full, default)
+        if key in _INT_KEYS and v is not None and (type(v) is not int or v <= 0):
+            # e.g. per-layer head counts (a list), which the decoder has no notion of
+            raise UnsupportedError(f"GGUF file {self.path}: metadata {full}={v!r} is not supported (need an integer "
+                                   "> 0)")
+        return v
+
+    def need(self, key: str):
+        if f"{self.arch}.{key}" not in self._f.metadata:
+            raise ModelLoadError(f"GGUF file {self.path} lacks the metadata key {self.arch}.{key}")
+        return self.opt(key)
+
+    def values(self, name: str) -> list[float]:
+        info = self.infos[name]
+        return dequantize(self._f.tensor_bytes(info), info.type_id, info.shape).tolist()
 
 
 def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[str, Any]:
     meta = f.metadata
-
-    def opt(key: str, default=None):
-        full = f"{arch}.{key}"
-        v = meta.get(full, default)
-        if key in _INT_KEYS and v is not None and (type(v) is not int or v <= 0):
-            # e.g. per-layer head counts (a list), which the decoder has no notion of
-            raise UnsupportedError(f"GGUF file {f.path}: metadata {full}={v!r} is not supported (need an integer > 0)")
-        return v
-
-    def need(key: str):
-        if f"{arch}.{key}" not in meta:
-            raise ModelLoadError(f"GGUF file {f.path} lacks the metadata key {arch}.{key}")
-        return opt(key)
+    h = _Header(f, arch, infos)
+    opt, need = h.opt, h.need
+    spec = GGUF_FAMILIES[arch]
 
     heads = need("attention.head_count")
     d: dict[str, Any] = {
-        "model_type": _MODEL_TYPES[arch],
+        "model_type": spec.model_type,
         "hidden_size": need("embedding_length"),
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
@@ -466,8 +412,8 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
         d["mlp_bias"] = True
 
     scaling = opt("rope.scaling.type")
-    if arch == "phi3":
-        _phi3_config(f, d, opt, infos)
+    if spec.gguf.own_rope:  # the family's config hook reads it
+        pass
     elif scaling is not None and scaling != "none":
         d["rope_scaling"] = {"rope_type": scaling, "factor": float(opt("rope.scaling.factor", 1.0))}
         if opt("rope.scaling.original_context_length") is not None:
@@ -476,11 +422,11 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
         freqs = dequantize(f.tensor_bytes(infos[_ROPE_FREQS]), infos[_ROPE_FREQS].type_id,
                            infos[_ROPE_FREQS].shape).double().numpy()
         dim = opt("rope.dimension_count") or d.get("head_dim") or d["hidden_size"] // heads
-        d["rope_scaling"] = _rope_scaling_from_freqs(freqs, float(d["rope_theta"]), dim, meta, arch, f.path)
-    if arch == "gemma3":
-        _gemma3_config(f, d, opt)
+        d["rope_scaling"] = rope_scaling_from_freqs(freqs, float(d["rope_theta"]), dim, meta, arch, f.path)
+    if spec.gguf.config is not None:
+        spec.gguf.config(h, d)
     if opt("expert_count") is not None or "blk.0.ffn_gate_inp.weight" in infos:
-        _moe_config(f, d, arch, opt, need, infos)
+        gguf_experts(h, d)
 
     if "tokenizer.ggml.bos_token_id" in meta:
         d["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
@@ -491,114 +437,6 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
     if eos:
         d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return d
-
-
-def _gemma3_config(f: _File, d: dict, opt) -> None:
-    """Gemma 3 as llama.cpp reads it: windowed layers by the file's pattern (or every sixth layer global), their
-    own RoPE base (default 10000), the softmax scale from the head size, GELU-tanh, soft-capped logits."""
-    n = d["num_hidden_layers"]
-    window = opt("attention.sliding_window")
-    pattern = opt("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
-    if isinstance(pattern, list):  # one flag per layer: windowed or not
-        if len(pattern) < n:
-            raise ModelLoadError(f"GGUF file {f.path}: gemma3.attention.sliding_window_pattern has {len(pattern)} "
-                                 f"entries for {n} layers")
-        windowed = [bool(x) for x in pattern[:n]]
-    else:
-        windowed = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
-    d["layer_types"] = ["sliding_attention" if w and window else "full_attention" for w in windowed]
-    d["sliding_window"] = window or None
-    d["rope_local_base_freq"] = opt("rope.freq_base_swa", 10000.0)
-    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-    # The file has no query_pre_attn_scalar; llama.cpp scales by the head size, except for the 62-layer (27B)
-    # model, whose scalar is hidden / heads (as its Hugging Face config says).
-    d["query_pre_attn_scalar"] = d["hidden_size"] // d["num_attention_heads"] if n == 62 else d["head_dim"]
-    d["final_logit_softcapping"] = opt("final_logit_softcapping")
-    d["hidden_activation"] = "gelu_pytorch_tanh"
-
-
-def _phi3_config(f: _File, d: dict, opt, infos: dict[str, _TensorInfo]) -> None:
-    """Phi-3 / Phi-4-mini: partial rotary from rope.dimension_count, the window (0: none), longrope factors from
-    the rope_factors_long / rope_factors_short tensors."""
-    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-    rot = opt("rope.dimension_count", head_dim)
-    if not (isinstance(rot, int) and 0 < rot <= head_dim and rot % 2 == 0):
-        raise UnsupportedError(f"GGUF file {f.path}: phi3.rope.dimension_count={rot!r} is not supported "
-                               f"(need an even number up to the head size {head_dim})")
-    partial = rot / head_dim
-    while int(head_dim * partial) < rot:  # the config normaliser takes int(head_dim * factor), as transformers
-        partial = math.nextafter(partial, 2.0)
-    d["partial_rotary_factor"] = partial
-    d["sliding_window"] = opt("attention.sliding_window") or None
-    have = [n for n in _ROPE_FACTORS if n in infos]
-    if not have:
-        if opt("rope.scaling.type") not in (None, "none"):
-            raise UnsupportedError(f"GGUF file {f.path}: phi3 RoPE scaling {opt('rope.scaling.type')!r} without "
-                                   "rope_factors_long/short tensors is not supported")
-        return
-    if len(have) != 2:
-        raise ModelLoadError(f"GGUF file {f.path} has {have[0]} without its pair")
-    orig = opt("rope.scaling.original_context_length")
-    if orig is None:
-        raise ModelLoadError(f"GGUF file {f.path} has longrope factors but lacks "
-                             "phi3.rope.scaling.original_context_length")
-    long_f, short_f = (dequantize(f.tensor_bytes(infos[n]), infos[n].type_id, infos[n].shape).tolist()
-                       for n in _ROPE_FACTORS)
-    if len(long_f) != rot // 2 or len(short_f) != rot // 2:
-        raise ModelLoadError(f"GGUF file {f.path}: longrope factors have {len(long_f)} and {len(short_f)} entries, "
-                             f"the rotary size {rot} needs {rot // 2}")
-    d["rope_scaling"] = {"rope_type": "longrope", "long_factor": long_f, "short_factor": short_f,
-                         "original_max_position_embeddings": orig}
-    stored = opt("rope.scaling.attn_factor")
-    if stored is not None:
-        # The converter stores transformers' factor, sqrt(1 + ln(s) / ln(orig)) for a context stretched s times, as
-        # float32: where the file holds that value, keep it unrounded.
-        s = d["max_position_embeddings"] / orig
-        exact = math.sqrt(1 + math.log(s) / math.log(orig)) if s > 1 else 1.0
-        d["rope_scaling"]["attention_factor"] = exact if np.float32(exact) == np.float32(stored) else float(stored)
-
-
-def _moe_config(f: _File, d: dict, arch: str, opt, need, infos: dict[str, _TensorInfo]) -> None:
-    """Experts in every layer, softmax routing, top-k weights renormalised (llama.cpp hard-wires both for
-    llama/Mixtral and qwen3moe, whatever norm_topk_prob the Hugging Face config had)."""
-    if arch not in ("llama", "qwen3moe"):
-        raise UnsupportedError(f"GGUF file {f.path}: expert tensors in a {arch} file are not supported "
-                               "(supported: llama (Mixtral), qwen3moe)")
-    gating = opt("expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise UnsupportedError(f"GGUF file {f.path}: {arch}.expert_gating_func={gating!r} is not supported "
-                               "(supported: 1, softmax)")
-    scale = opt("expert_weights_scale")
-    if scale not in (None, 0.0, 1.0):
-        raise UnsupportedError(f"GGUF file {f.path}: {arch}.expert_weights_scale={scale!r} is not supported "
-                               "(supported: 1.0)")
-    if any(n.startswith("blk.") and ("_shexp." in n or "_chexp" in n) for n in infos):
-        raise UnsupportedError(f"GGUF file {f.path}: shared-expert tensors (ffn_*_shexp) are not supported")
-    n = d["num_hidden_layers"]
-    parts = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-    dense = [i for i in range(n) if any(f"blk.{i}.{p}.weight" not in infos for p in parts)]
-    if dense:
-        raise UnsupportedError(f"GGUF file {f.path}: layers {dense[:8]} lack expert tensors ({', '.join(parts)}); "
-                               "dense layers among expert layers are not supported")
-    experts = need("expert_count")
-    d["num_experts"] = d["num_local_experts"] = experts
-    d["num_experts_per_tok"] = need("expert_used_count")
-    d["norm_topk_prob"] = True
-    if arch == "llama":
-        d["model_type"] = "mixtral"  # its experts are feed_forward_length wide
-    else:
-        d["moe_intermediate_size"] = need("expert_feed_forward_length")
-
-
-def _unpermute_rows(n_head: int, rows: int) -> torch.Tensor:
-    """Row order undoing llama.cpp's permute(): GGUF row idx[i] is HF row i.
-
-    The converter reshapes rows to (n_head, 2, head_dim/2) and swaps the last two axes, turning HF's
-    rotate-half pairs (j, j + head_dim/2) into adjacent pairs (2j, 2j + 1).
-    """
-    if rows % (2 * n_head):
-        raise ModelLoadError(f"cannot undo the q/k permutation: {rows} rows for {n_head} heads")
-    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
 _FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
@@ -645,7 +483,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             raise ModelLoadError(f"GGUF file {f.path} names a tensor twice")
         names: dict[str, str] = {}
         for info in f.infos:
-            if info.name == _ROPE_FREQS or (arch == "phi3" and info.name in _ROPE_FACTORS):
+            if info.name == _ROPE_FREQS or info.name in GGUF_FAMILIES[arch].gguf.config_tensors:
                 continue  # read into the config
             hf = _hf_name(info.name, arch)
             if hf is None:
@@ -669,7 +507,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
                     f"GGUF file {f.path}: tensor {gname} has shape {list(reversed(got))}, the header's metadata "
                     f"implies {list(reversed(want))} (GGUF order)"
                 )
-        permuted = arch in _PERMUTED_ARCHS
+        permuted = GGUF_FAMILIES[arch].gguf.permuted
         types: dict[str, str] = {}
         raw: dict[str, tuple[np.ndarray, str, tuple]] = {}
         # type -> [(hf name, shape, bytes already read, or (info, row order) to read into the type's buffer)]
@@ -689,7 +527,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
                 n_head = config.num_heads
             elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 n_head = config.num_kv_heads
-            order = _unpermute_rows(n_head, info.shape[0]).numpy() if n_head is not None else None
+            order = unpermute_rows(n_head, info.shape[0]).numpy() if n_head is not None else None
             tname = type_name(info.type_id)
             types[hf] = tname
             rows = math.prod(info.shape[:-1])  # a stacked expert tensor's rows: every expert's, one after another

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from kvinfer import kernels
-from kvinfer.config import PRESETS, EngineConfig, ModelConfig, load_hf_config, preset_config
+from kvinfer.config import PRESETS, EngineConfig, ModelConfig
 from kvinfer.errors import ModelLoadError, ValidationError
 from kvinfer.models.decoder import Decoder
+from kvinfer.models.families import load_hf_config, preset_config
 from kvinfer.models.weights import load_into
 from kvinfer.utils import builtin_model_path, gc_paused
 
@@ -244,7 +245,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
     if ecfg.chat_template is not None:
         if tokenizer is None:
             raise ModelLoadError("--chat-template needs a tokenizer (this model has none: give --tokenizer DIR)")
-        from kvinfer.loaders.tokenizer import read_chat_template
+        from kvinfer.loaders.chat_template import read_chat_template
 
         tokenizer.set_chat_template(*read_chat_template(ecfg.chat_template))
     model = model.to(device=device, dtype=dtype)

@@ -1,7 +1,7 @@
-"""Tokenizer: text <-> ids and chat-template rendering, built from an HF directory or from GGUF metadata."""
+"""Tokenizer: text <-> ids and chat-template rendering (the template itself: chat_template.py), built from an HF
+directory or from GGUF metadata."""
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -10,16 +10,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
-
-ROLES = ("system", "user", "assistant", "tool")
-
-# Used when a model ships no template; ChatML is what most small instruct models were tuned on.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from kvinfer.loaders.chat_template import (CHATML_TEMPLATE, CUT, TemplateRaised, compile_template, preview,
+                                           validate_messages)
 
 # Tokens that close an assistant turn in common template families. Generation must stop on them even
 # when the file's eos is another token (e.g. <|endoftext|>), or the model runs on into a fake next turn.
@@ -142,68 +134,6 @@ def _read_json(path: Path) -> dict:
 _LONG_TEXT = 1 << 16  # characters; longer texts are encoded without holding the GIL (a server's other threads run)
 
 
-class _TemplateRaised(Exception):
-    """A template called raise_exception(): the messages break a rule of the model's chat format."""
-
-
-def read_chat_template(value: str) -> tuple[str, str]:
-    """(template text, where it came from) for vLLM's --chat-template: a file's path, or the template itself
-    (text with a Jinja brace or a newline)."""
-    try:
-        is_file = Path(value).is_file()
-    except (OSError, ValueError):  # a name too long or with a NUL byte: not a path
-        is_file = False
-    if is_file:
-        try:
-            return Path(value).read_text(encoding="utf-8"), value
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"--chat-template: cannot read the file {value!r}: {e}") from None
-    if any(c in value for c in "{}\n"):
-        return value, "--chat-template"
-    raise ModelLoadError(f"--chat-template {value!r} is neither a file nor a template (Jinja text)")
-
-
-def _compile_template(source: str, where: str):
-    # jinja2 is imported lazily: encode/decode callers should not pay for it.
-    import jinja2
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _GenerationTag(Extension):
-        """Some HF templates wrap assistant text in {% generation %} for loss masks; render the body."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise _TemplateRaised(str(message))
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson HTML-escapes <, > and &; templates expect plain JSON in the prompt.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ModelLoadError(f"{where}: the chat template does not compile: {e}") from e
-
-
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the model-level facts around it: BOS/EOS handling and the chat template."""
 
@@ -239,7 +169,7 @@ class Tokenizer:
         tokens it uses stop generation too."""
         self.has_chat_template = chat_template is not None
         self.chat_template = chat_template if chat_template is not None else CHATML_TEMPLATE
-        self._template = _compile_template(self.chat_template, source)
+        self._template = compile_template(self.chat_template, source)
         self._eos_ids = tuple(dict.fromkeys(list(self._base_eos) + self._end_of_turn_ids()))
         special = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
         special.update(i for i in (self.token_to_id(t) for t in self._special_tokens.values()) if i is not None)
@@ -429,18 +359,18 @@ class Tokenizer:
         except TypeError:
             pass  # e.g. numpy or torch integers, which the Rust binding does not take; convert and retry
         except OverflowError as e:
-            raise ValidationError("ids", _preview(ids), "must be non-negative token ids") from e
+            raise ValidationError("ids", preview(ids), "must be non-negative token ids") from e
         try:
             return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         except (TypeError, ValueError, OverflowError) as e:
-            raise ValidationError("ids", _preview(ids), "must be a list of non-negative int token ids") from e
+            raise ValidationError("ids", preview(ids), "must be a list of non-negative int token ids") from e
 
     # ------------------------------------------------------------------ chat
 
     @staticmethod
     def check_messages(messages: Any) -> None:
         """ValidationError naming the first message that is not a {role, content} dict with a known role."""
-        _validate_messages(messages)
+        validate_messages(messages)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
@@ -450,9 +380,9 @@ class Tokenizer:
 
         continue_final_message: end the text inside the last message (after its content, without the
         end-of-turn the template would write), so that the model continues that message (a prefilled answer)."""
-        _validate_messages(messages)
+        validate_messages(messages)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-            raise ValidationError("chat_template_kwargs", _preview(chat_template_kwargs), "must be a dict")
+            raise ValidationError("chat_template_kwargs", preview(chat_template_kwargs), "must be a dict")
         template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         for key in ("messages", "add_generation_prompt", "continue_final_message"):
             if key in template_kwargs:
@@ -462,21 +392,21 @@ class Tokenizer:
             raise ValidationError("continue_final_message", True, "cannot be combined with add_generation_prompt "
                                   "(set add_generation_prompt to false)")
         if continue_final_message:  # render with a marker after the content, then cut the text there
-            messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CUT}]
+            messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + CUT}]
         context: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs,
                                    "messages": messages, "add_generation_prompt": bool(add_generation_prompt)}
         import jinja2
 
         try:
             text = self._template.render(**context)
-        except _TemplateRaised as e:
+        except TemplateRaised as e:
             raise ValidationError("messages", [m["role"] for m in messages],
                                   f"rejected by the model's chat template: {e}") from e
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
             raise ValidationError("messages", [m["role"] for m in messages],
                                   f"the chat template failed to render them: {type(e).__name__}: {e}") from e
         if continue_final_message:
-            cut = text.rfind(_CUT)
+            cut = text.rfind(CUT)
             if cut < 0:
                 raise ValidationError("continue_final_message", True, "the chat template does not write the last "
                                       "message's content, so there is nothing to continue")
@@ -486,33 +416,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, bos={self._bos_id}, "
                 f"eos={self._eos_ids}, add_bos={self._add_bos})")
-
-
-_CUT = "\x00kvinfer:continue\x00"  # marks where a continued final message ends; never in real text
-
-
-def _preview(value: Any, limit: int = 8) -> Any:
-    if isinstance(value, (list, tuple)) and len(value) > limit:
-        return f"[{', '.join(map(repr, value[:limit]))}, ... ({len(value)} items)]"
-    return value
-
-
-def _validate_messages(messages: Any) -> None:
-    if not isinstance(messages, list):
-        raise ValidationError("messages", _preview(messages), "must be a list of {role, content} dicts")
-    if not messages:
-        raise ValidationError("messages", messages, "must not be empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValidationError(f"messages[{i}]", _preview(m), "must be a dict with role and content")
-        if "role" not in m:
-            raise ValidationError(f"messages[{i}].role", None, "is missing")
-        if m["role"] not in ROLES:
-            raise ValidationError(f"messages[{i}].role", m["role"], "must be one of " + ", ".join(ROLES))
-        if "content" not in m:
-            raise ValidationError(f"messages[{i}].content", None, "is missing")
-        if not isinstance(m["content"], str):
-            raise ValidationError(f"messages[{i}].content", _preview(m["content"]), "must be a string")
 
 
 # ---------------------------------------------------------------------- GGUF backends

@@ -33,9 +33,9 @@ from kvinfer.server.reasoning import reasoning_parser
 from kvinfer.server.protocol import (MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, ErrorResponse, TokenizeRequest, error_body,
                                      from_engine_error, messages_for_template)
-from kvinfer.server.responses import ChatReply, CompletionReply, SSEResponse, TokenText, collect, respond
+from kvinfer.server.replies import ChatReply, CompletionReply, SSEResponse, TokenText, collect, respond
 from kvinfer.server.tier_metrics import register_tier_metrics
-from kvinfer.server.tools import ToolContext, response_format_spec
+from kvinfer.server.tool_calls import ToolContext, response_format_spec
 
 log = logging.getLogger("kvinfer.server")
 
@@ -504,7 +504,7 @@ def create_app(engine: AsyncLLMEngine, model_name: Optional[str] = None, api_key
         app.add_api_route(path, route, methods=[method], responses=_ERRORS if documented else None)
     add_page_routes(app, engine, model_name)
     _document(app, model_name)
-    from kvinfer.server.anthropic import add_anthropic_api  # it imports this module's request checks
+    from kvinfer.server.anthropic_messages import add_anthropic_api  # it imports this module's request checks
     from kvinfer.server.embeddings import add_embeddings_api
 
     add_embeddings_api(app)

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from kvinfer.engine.pooling import POOLING, embed_params, finish, model_pooling
 from kvinfer.server.protocol import APIError, _Body, _CONFIG
-from kvinfer.server.responses import collect
+from kvinfer.server.replies import collect
 
 
 class EmbeddingRequest(_Body):

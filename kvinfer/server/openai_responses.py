@@ -16,7 +16,7 @@ from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import (_CONFIG, APIError, ChatCompletionRequest, FunctionDefinition, MAX_TOOLS, _Body,
                                      from_engine_error)
 from kvinfer.server.response_store import ResponseStore, StoredResponse  # noqa: F401 (re-exported)
-from kvinfer.server.responses import ChatReply, sse, usage
+from kvinfer.server.replies import ChatReply, sse, usage
 from kvinfer.server.reasoning import reasoning_item
 from kvinfer.sampling_params import MAX_LOGPROBS
 

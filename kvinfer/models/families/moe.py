@@ -1,4 +1,5 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral): Hugging Face names of the router and experts."""
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral): config, names of the router and experts, and the
+expert metadata of a GGUF file."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,46 @@ from typing import Iterable
 import torch
 
 from kvinfer.config import ModelConfig
-from kvinfer.errors import ModelLoadError
+from kvinfer.errors import ModelLoadError, UnsupportedError
+from kvinfer.models.families.common import cat_rows
+from kvinfer.models.families.llama import llama_like, map_llama
+from kvinfer.models.families.qwen import qwen_window
+from kvinfer.models.families.registry import Family, GGUFNames, register
+
+
+def _moe_flags(d: dict, arch: str, experts_key: str, norm_topk: bool, expert_size_key: str) -> dict:
+    if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedError(f"{arch} with dense layers among the expert layers (mlp_only_layers, "
+                               "decoder_sparse_step) is not supported (supported: experts in every layer)")
+    # transformers 5 writes num_local_experts for every family; released Qwen configs say num_experts.
+    experts, k = int(d.get(experts_key) or d["num_local_experts"]), int(d["num_experts_per_tok"])
+    if not 0 < k <= experts:
+        raise UnsupportedError(f"{arch} config has num_experts_per_tok={k}, needs 1 to {experts_key}={experts}")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(d[expert_size_key]),
+                norm_topk_prob=norm_topk, shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size")
+                                                                               or 0))
+
+
+def _from_qwen3_moe(d):
+    return llama_like(d, "qwen3_moe", head_dim_default=128, sliding_window=qwen_window(d, "qwen3_moe"),
+                      qk_norm=True, mlp_bias=False,
+                      **_moe_flags(d, "qwen3_moe", "num_experts", bool(d.get("norm_topk_prob", False)),
+                                   "moe_intermediate_size"))
+
+
+def _from_qwen2_moe(d):
+    return llama_like(d, "qwen2_moe", sliding_window=qwen_window(d, "qwen2_moe"), qkv_bias=True, o_bias=False,
+                      mlp_bias=False,
+                      **_moe_flags(d, "qwen2_moe", "num_experts", bool(d.get("norm_topk_prob", False)),
+                                   "moe_intermediate_size"))
+
+
+def _from_mixtral(d):
+    # Mixtral always renormalises its top-k weights; the experts are intermediate_size wide.
+    window = d.get("sliding_window")
+    return llama_like(d, "mixtral", sliding_window=int(window) if window else None, qkv_bias=False, o_bias=False,
+                      mlp_bias=False, **_moe_flags(d, "mixtral", "num_local_experts", True, "intermediate_size"))
+
 
 _MOE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
                      r"(gate\.weight|shared_expert_gate\.weight|experts\.\d+\.\w+\.weight|shared_expert\.\w+\.weight)$")
@@ -17,8 +57,6 @@ _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 
 def map_moe(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    from kvinfer.models.weights import cat_rows, map_llama
-
     found: dict[tuple[int, str], torch.Tensor] = {}
 
     def attention_and_norms():
@@ -47,3 +85,42 @@ def map_moe(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> di
         out[f"layers.{i}.mlp.{who}.gate_up.weight"] = cat_rows([p["gate"], p["up"]])
         out[f"layers.{i}.mlp.{who}.down.weight"] = p["down"]
     return out
+
+
+def gguf_experts(h, d: dict) -> None:
+    """A GGUF file's experts (header h as GGUFNames.config gets it): experts in every layer, softmax routing, top-k
+    weights renormalised (llama.cpp hard-wires both for llama/Mixtral and qwen3moe, whatever norm_topk_prob the
+    Hugging Face config had)."""
+    arch = h.arch
+    if arch not in ("llama", "qwen3moe"):
+        raise UnsupportedError(f"GGUF file {h.path}: expert tensors in a {arch} file are not supported "
+                               "(supported: llama (Mixtral), qwen3moe)")
+    gating = h.opt("expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedError(f"GGUF file {h.path}: {arch}.expert_gating_func={gating!r} is not supported "
+                               "(supported: 1, softmax)")
+    scale = h.opt("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedError(f"GGUF file {h.path}: {arch}.expert_weights_scale={scale!r} is not supported "
+                               "(supported: 1.0)")
+    if any(n.startswith("blk.") and ("_shexp." in n or "_chexp" in n) for n in h.infos):
+        raise UnsupportedError(f"GGUF file {h.path}: shared-expert tensors (ffn_*_shexp) are not supported")
+    n = d["num_hidden_layers"]
+    parts = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    dense = [i for i in range(n) if any(f"blk.{i}.{p}.weight" not in h.infos for p in parts)]
+    if dense:
+        raise UnsupportedError(f"GGUF file {h.path}: layers {dense[:8]} lack expert tensors ({', '.join(parts)}); "
+                               "dense layers among expert layers are not supported")
+    experts = h.need("expert_count")
+    d["num_experts"] = d["num_local_experts"] = experts
+    d["num_experts_per_tok"] = h.need("expert_used_count")
+    d["norm_topk_prob"] = True
+    if arch == "llama":
+        d["model_type"] = "mixtral"  # its experts are feed_forward_length wide
+    else:
+        d["moe_intermediate_size"] = h.need("expert_feed_forward_length")
+
+
+register(Family("qwen3_moe", "qwen3_moe", _from_qwen3_moe, map_moe, GGUFNames("qwen3moe")))
+register(Family("qwen2_moe", "qwen2_moe", _from_qwen2_moe, map_moe))
+register(Family("mixtral", "mixtral", _from_mixtral, map_moe))  # in a GGUF file: the llama architecture, experts

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvinfer.errors import KvinferError
 from kvinfer.server.app import _chat_input, _off_loop, _server, _validation_error
 from kvinfer.server.protocol import MAX_STOP, MAX_TOOLS, APIError, ChatCompletionRequest, _Body, from_engine_error
-from kvinfer.server.responses import SSEResponse, collect, sse
-from kvinfer.server.tools import ToolContext
+from kvinfer.server.replies import SSEResponse, collect, sse
+from kvinfer.server.tool_calls import ToolContext
 
 log = logging.getLogger("kvinfer.server")
 

@@ -1,4 +1,5 @@
-"""OpenAI response bodies from engine outputs: token strings and logprobs, usage, and the one SSE streaming loop."""
+"""The completion and chat endpoints' replies from engine outputs: token strings and logprobs, usage, and the one
+SSE streaming loop (the Responses API builds on them in openai_responses.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,7 @@ from kvinfer.errors import KvinferError
 from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import APIError, error_body, from_engine_error
 from kvinfer.server.reasoning import ReasoningParser, ReasoningStream
-from kvinfer.server.tools import ToolContext
+from kvinfer.server.tool_calls import ToolContext
 
 log = logging.getLogger("kvinfer.server")
 
