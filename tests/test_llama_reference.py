@@ -204,7 +204,7 @@ def test_yarn_frequencies_and_attention_factor_are_transformers_bits(params):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvinfer.config import model_config_from_hf
+    from kvinfer.models.families import model_config_from_hf
     from kvinfer.layers.rotary import rope_inv_freq
 
     hf_cfg = transformers.LlamaConfig(**dict(TINY_LLAMA_LIKE, num_key_value_heads=2, rope_parameters=dict(params)))
