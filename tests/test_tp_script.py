@@ -26,6 +26,28 @@ def test_tp_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
     assert p.returncode != 0 and "started" not in p.stdout
     assert MAIN_GUARD in p.stderr.splitlines()[-1], p.stderr[-2000:]
     assert wall < 100  # far below the 150 s rendezvous timeout it used to wait out (a busy 2-core machine)
+    assert "Loading" not in p.stderr and "KV cache" not in p.stderr  # refused before the model was read
+
+
+def test_tp_script_creating_the_engine_in_a_function_without_guard_is_refused_too(tmp_path):
+    p, _ = _run_script(tmp_path, "from kvinfer import LLM\n"
+                                 "def main():\n"
+                                 "    return LLM(tensor_parallel_size=3, kv_cache_memory='16MiB', max_model_len=128)\n"
+                                 "llm = main()\n"
+                                 "print('started')\n", timeout=300)
+    assert p.returncode != 0 and "started" not in p.stdout
+    assert MAIN_GUARD in p.stderr.splitlines()[-1], p.stderr[-2000:]
+
+
+def test_main_guard_test_reads_either_order():
+    import ast
+
+    from kvinfer.parallel.runtime import _tests_main
+
+    assert _tests_main(ast.parse('__name__ == "__main__"', mode="eval").body)
+    assert _tests_main(ast.parse("'__main__' == __name__", mode="eval").body)
+    assert not _tests_main(ast.parse('__name__ != "__main__"', mode="eval").body)
+    assert not _tests_main(ast.parse('name == "__main__"', mode="eval").body)
 
 
 def test_second_tp_engine_after_del(tmp_path):

@@ -165,10 +165,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
-        if config.tensor_parallel_size > 1:  # a worker re-running a script without a main guard stops here
-            from kvinfer.parallel import refuse_spawn_bootstrap
+        if config.tensor_parallel_size > 1:  # a script without a main guard stops here, in the worker or before
+            from kvinfer.parallel import refuse_spawn_bootstrap, refuse_unguarded_main
 
             refuse_spawn_bootstrap()
+            refuse_unguarded_main(config)
         source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
         if config.speculative_model:  # a missing draft model fails before the target is loaded
             try:

@@ -1,6 +1,7 @@
 """Tensor-parallel processes over torch.distributed: rendezvous, the workers' loop, rank 0's per-step broadcast."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 import os
@@ -12,6 +13,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -105,6 +107,46 @@ def refuse_spawn_bootstrap() -> None:
         sys.stderr.write(f"kvinfer: error: {SPAWN_GUARD_HINT}\n")
         sys.stderr.flush()
         os._exit(SPAWN_GUARD_EXIT)
+
+
+def refuse_unguarded_main(config: EngineConfig) -> None:
+    """On the process that will spawn workers, before anything is loaded: an engine created by the main script's
+    top-level code outside `if __name__ == "__main__":` would be created again in every worker (spawn re-runs that
+    script), so say what to add now rather than after the workers have started and found it out. Scripts run
+    under torchrun (nothing spawned), interactive sessions and `python -c` have nothing to check."""
+    if not Rendezvous.from_config(config).spawn_ranks:
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or getattr(main, "__spec__", None) is not None:
+        return  # `python -m pkg` re-imports the module by name, under its own guard; none to read otherwise
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return  # not reached from the script's top level (a thread, a callback): the worker check still holds
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _tests_main(node.test) and node.lineno <= line <= (node.end_lineno or 0):
+            return
+    raise TensorParallelError(f"{path} line {line} creates a tensor-parallel engine outside "
+                              f"`if __name__ == \"__main__\":`; its workers are started with multiprocessing's "
+                              f"\"spawn\", which imports the main script, so that line would run again in each of "
+                              f"them: put the code that creates the engine under `if __name__ == \"__main__\":` (as "
+                              f"torch.multiprocessing and vLLM require)")
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether an if's test is `__name__ == "__main__"` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
 
 
 def _set_threads(config: EngineConfig, local_world: int) -> None:
