@@ -1,8 +1,9 @@
-"""Measures of kvinfer's layout (issue 47): import cycles, imports that run up the layers, file sizes.
+"""Measures of kvinfer's layout: import cycles at module level and file sizes (no Python file over 600 lines
+outside kvinfer/bench and kvinfer/lab, no C file over 800). The layers imports may point down are
+tests/test_layers_imports.py's table.
 
-`python scripts/check_layout.py` prints every finding and exits 1 if there is one; tests/test_layout.py runs the
-same checks. The layer table below is the design: a module may import its own layer and the layers below it, at
-module level or inside a function alike."""
+`python scripts/check_layout.py` prints every finding and exits 1 if there is one; tests/test_layers_imports.py
+asserts there is none."""
 from __future__ import annotations
 
 import ast
@@ -12,21 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvinfer"
 
-# Lowest first. A module belongs to the layer of the longest prefix that names it.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("kvinfer.errors", "kvinfer.utils", "kvinfer.options", "kvinfer.config", "kvinfer.sampling_params",
-              "kvinfer.request")),
-    ("kernels", ("kvinfer.kernels", "kvinfer.loaders.dequant")),
-    ("layers", ("kvinfer.layers",)),
-    ("kv", ("kvinfer.kv",)),
-    ("models", ("kvinfer.models",)),
-    ("loaders", ("kvinfer.loaders",)),
-    ("step", ("kvinfer.structured", "kvinfer.sampler", "kvinfer.scheduler", "kvinfer.detokenizer",
-              "kvinfer.engine.model_runner", "kvinfer.engine.outputs")),
-    ("runtimes", ("kvinfer.parallel", "kvinfer.spec")),
-    ("engine", ("kvinfer.engine",)),
-    ("front", ("kvinfer", "kvinfer.server", "kvinfer.cli", "kvinfer.bench", "kvinfer.lab", "kvinfer.perplexity")),
-]
 MAX_PY_LINES = 600   # outside kvinfer/bench and kvinfer/lab
 MAX_C_LINES = 800
 
@@ -39,15 +25,6 @@ def modules() -> dict[str, Path]:
             parts.pop()
         out[".".join(parts)] = f
     return out
-
-
-def layer_of(name: str) -> int:
-    best, rank = -1, -1
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (name == p or name.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
-    return rank
 
 
 def imports(mods: dict[str, Path], name: str) -> list[tuple[str, int, bool]]:
@@ -118,23 +95,16 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def findings() -> list[str]:
+def cycle_findings() -> list[str]:
+    """Each strongly connected set of modules whose module-level imports go round (lazy imports inside
+    functions are not counted: they run after every module involved has loaded)."""
     mods = modules()
+    edges = {name: {target for target, _, top in imports(mods, name) if top} for name in mods}
+    return ["import cycle at module level: " + " -> ".join(comp) for comp in cycles(edges)]
+
+
+def size_findings() -> list[str]:
     out = []
-    top_edges: dict[str, set[str]] = {}
-    for name in mods:
-        rank = layer_of(name)
-        if rank < 0:
-            out.append(f"{name}: in no layer of scripts/check_layout.py's table")
-        top_edges[name] = set()
-        for target, line, top in imports(mods, name):
-            if top:
-                top_edges[name].add(target)
-            if layer_of(target) > rank:
-                out.append(f"{mods[name].relative_to(ROOT)}:{line}: {name} ({LAYERS[rank][0]}) imports {target} "
-                           f"({LAYERS[layer_of(target)][0]}), a higher layer")
-    for comp in cycles(top_edges):
-        out.append("import cycle at module level: " + " -> ".join(comp))
     for f in sorted(PACKAGE.rglob("*.py")):
         rel = f.relative_to(PACKAGE)
         n = len(f.read_text().splitlines())
@@ -148,7 +118,7 @@ def findings() -> list[str]:
 
 
 def main() -> int:
-    found = findings()
+    found = cycle_findings() + size_findings()
     for line in found:
         print(line)
     print(f"{len(modules())} modules; {len(found)} finding(s)")
