@@ -22,7 +22,7 @@ from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source
 from kvinfer.request import Request
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.scheduler import MultiStep, Scheduler, SchedulerConfig
 from kvinfer.structured import GrammarCompiler, accept_token
 from kvinfer.utils import format_bytes
 
@@ -213,7 +213,7 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.scheduler)
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
+            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device, self._eos_ids())
         else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
             from kvinfer.parallel import TensorParallel
 
@@ -375,50 +375,57 @@ class LLMEngine:
         return outs
 
     def _step_core(self) -> list[CoreOutput]:
+        """One step, one path: the scheduler plans (a planned step, or several fused decode steps), the runner
+        executes the plan, and its tokens are appended here."""
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         spec = self.speculator is not None
         if spec:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
-        # Decode with nothing for the sampler to change but temperature and the top-k/top-p/min-p filters runs
-        # fused in one C call (the same bits, less Python): up to --num-scheduler-steps steps; with speculation
-        # on, one step in which no request proposed (proposals may resume the next). Without it a lone step goes
-        # the general way below.
-        n = self._fused_steps(1 if spec else self.config.num_scheduler_steps)
-        if n > (0 if spec else 1):
-            running = len(self.scheduler.running)
-            outs = self._step_fused(n)
+        sched = self.scheduler.schedule(self._multi_step(spec))
+        touched: dict[str, None] = {}
+        if sched.decode_steps:
+            self._append_decode_steps(sched, self.runner.execute(sched), touched)
             if self.kv_tiers is not None:  # the blocks just computed go to the persistent tiers
                 self.kv_manager.after_step()
-            if outs is not None:
-                if spec:
-                    self._after_speculator_step(t0, generated, False, running)
-                return outs
-        sched = self.scheduler.schedule()
-        self.stats["steps"] += 1
-        touched: dict[str, None] = {}
-        if sched.scheduled:
-            logits, sampled = self.runner.execute(sched)
-            self.scheduler.update_after_step(sched)
-            if self.kv_tiers is not None:
-                self.kv_manager.after_step()
-            m = self.kv_manager
-            if m.keeps_kv:
-                used = m.num_units - m.num_free_units
-                self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-                # KV utilisation: tokens held in the cache over the capacity of the units (blocks, slots) allocated.
-                self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
-                self.stats["util_capacity"] += used * m.unit_tokens
-            for s in sched.scheduled:
-                if s.start < s.request.num_prompt_tokens:
-                    self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
-            if sampled:
-                forked = self._fork_siblings(sampled)  # a stage of its own, before any sampling
-                self._sample_and_update(logits, sampled, forked, touched)
-            if spec:
-                self._after_speculator_step(t0, generated, any(s.spec_token_ids for s in sched.scheduled),
-                                            len(sched.scheduled),
-                                            all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled))
+        else:
+            self.stats["steps"] += 1
+            if sched.scheduled:
+                self._run_planned(sched, touched)
+        if spec and sched.scheduled:
+            self._after_speculator_step(t0, generated, any(s.spec_token_ids for s in sched.scheduled),
+                                        len(sched.scheduled),
+                                        all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled))
         return self._outputs(touched)
+
+    def _multi_step(self, spec: bool) -> Optional[MultiStep]:
+        """The fused decode steps this engine offers the scheduler for the next step: up to --num-scheduler-steps
+        where the runner has a fused call (the same bits, less Python); with speculation on, one step in which no
+        request proposed (proposals may resume the next); without it a lone step is planned. None while an n > 1
+        request's siblings wait to be forked from its first sample."""
+        if self._pending_forks or self.runner.multi_step_decoder() is None:
+            return None
+        if spec:
+            return MultiStep(1, 1, not self.runner.prompt_route)
+        return MultiStep(self.config.num_scheduler_steps, 2, not self.runner.prompt_route)
+
+    def _run_planned(self, sched, touched) -> None:
+        ran = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        if self.kv_tiers is not None:
+            self.kv_manager.after_step()
+        m = self.kv_manager
+        if m.keeps_kv:
+            used = m.num_units - m.num_free_units
+            self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
+            # KV utilisation: tokens held in the cache over the capacity of the units (blocks, slots) allocated.
+            self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.stats["util_capacity"] += used * m.unit_tokens
+        for s in sched.scheduled:
+            if s.start < s.request.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
+        if ran.sampled:
+            forked = self._fork_siblings(ran.sampled)  # a stage of its own, before any sampling
+            self._sample_and_update(ran.logits, ran.sampled, forked, touched)
 
     def _after_speculator_step(self, t0: float, generated: int, speculated: bool, num_seqs: int,
                                decode_only: bool = True) -> None:
@@ -434,86 +441,26 @@ class LLMEngine:
         """The core outputs of the groups that got tokens this step (those still known)."""
         return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
-    # ---- several decode steps in one call (vLLM's multi-step scheduling) -------------------------------
-    def _fused_steps(self, most: int) -> int:
-        """How many decode steps, up to `most`, the next call may make fused in one C call (0: none). Only while
-        every running request decodes with nothing for the sampler to change but temperature and top-k/top-p/min-p
-        (no penalties, bias, grammar, banned stop tokens, proposed tokens) and no request waits for admission, so
-        none waits longer than one call. A sampled request draws there as the sampler draws (kvq_sample_row, the
-        same uniform numbers of its generator)."""
-        n = most
-        sch = self.scheduler
-        if n < 1 or sch.waiting or not sch.running or self._pending_forks:
-            return 0
-        for r in sch.running:
-            p = r.params
-            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain or r.grammar is not None
-                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids
-                    or (self.runner.prompt_route and r.num_computed_tokens < r.num_prompt_tokens)):
-                return 0
-            n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
-        if n < 1:
-            return 0
-        fused = self.runner._fused_decode()
-        return n if fused is not None and fused.steps_ok else 0
+    def _append_decode_steps(self, sched, ran, touched) -> None:
+        """A fused call's tokens, step by step through _append_token (so stop tokens, max_tokens and outputs are as
+        one step at a time), each with its logprobs from the same logits; then the scheduler settles the KV."""
+        from kvinfer.sampler import row_logprob
 
-    def _step_fused(self, n: int) -> Optional[list[CoreOutput]]:
-        """Up to n decode steps of every running request in one C call; None (nothing changed) if the KV pool
-        cannot hold n more tokens for each. Each step's arithmetic is a single step's (FusedDecode), its token the
-        sampler's (the argmax by numpy's rule, or kvq_sample_row with the next uniform number of the request's
-        generator: n are taken up front, and a generator is left as if only the steps done had drawn), its
-        logprobs computed from the same logits afterwards, and each token goes through _append_token in step
-        order, so stop tokens, max_tokens and outputs are as step by step."""
-        from kvinfer.sampler import row_logprob, row_params, uniform
-
-        sch, m = self.scheduler, self.kv_manager
-        reqs = list(sch.running)
-        for i, r in enumerate(reqs):  # slots for positions num_computed .. num_computed + n - 1
-            if not m.allocate_slots(r, n):
-                for q in reqs[:i]:
-                    m.trim(q, q.num_computed_tokens)
-                return None
-        self.kv_cache.copy_blocks(m.take_copies())  # a fork sibling's shared last block, copied before writing
-        stop_ids = set(self._eos_ids())
-        for r in reqs:
-            stop_ids.update(r.params.stop_token_ids)
-        sampling = uniforms = None
-        drawn = [r for r in reqs if not r.params.greedy]
-        if drawn:
-            sampling = row_params([r.params for r in reqs])
-            uniforms = torch.zeros((n, len(reqs)), dtype=torch.float64)
-            states = {}
-            for b, r in enumerate(reqs):
-                if not r.params.greedy:
-                    states[b] = r.generator.get_state()
-                    uniforms[:, b] = uniform(r.generator, n)
-        tokens, logits = self.runner._fused_decode().decode_steps(
-            [r.token_at(r.num_tokens - 1) for r in reqs], [m.get_block_table(r) for r in reqs],
-            [r.num_tokens for r in reqs], n, sorted(stop_ids), sampling, uniforms)
-        steps = tokens.shape[0]
-        if drawn and steps < n:  # the generators as if only the steps done had drawn
-            for b, state in states.items():
-                reqs[b].generator.set_state(state)
-                uniform(reqs[b].generator, steps)
+        steps = len(ran.tokens)
         self.stats["steps"] += steps
         now = time.perf_counter()
-        touched: dict[str, None] = {}
-        rows = tokens.tolist()
-        for s in range(steps):
+        reqs = [s.request for s in ran.sampled]
+        for st in range(steps):
             for b, r in enumerate(reqs):
                 if r.is_finished:
                     continue
-                tok = rows[s][b]
+                tok = ran.tokens[st][b]
                 k = r.params.logprobs
-                r.num_computed_tokens += 1
-                self._append_token(r, tok, row_logprob(logits[s, b], tok, k) if k is not None else None, now)
+                self._append_token(r, tok, row_logprob(ran.logits[st, b], tok, k) if k is not None else None, now)
                 touched[r.group_id] = None
-        for r in reqs:
-            if not r.is_finished:  # blocks of positions the call did not reach go back
-                sch.rollback(r, r.num_tokens - 1)
-        used = m.num_units - m.num_free_units
-        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        return self._outputs(touched)
+        self.scheduler.update_after_step(sched)
+        m = self.kv_manager
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], m.num_units - m.num_free_units)
 
     def _fork_siblings(self, sampled) -> dict[str, list[Request]]:
         """n>1: once a group's first sample has its prompt computed, its siblings share that KV and join the batch.
@@ -576,7 +523,7 @@ class LLMEngine:
             self._append_token(r, tok, lp, now)
             if r.is_finished:
                 return
-        self.scheduler.rollback(r, r.num_tokens - 1)
+        self.scheduler.settle(r)
 
     def _sample_row(self, r: Request, output_ids: Optional[list[int]] = None) -> SampleRow:
         """output_ids: the outputs as if proposed tokens were accepted (verification rows)."""
