@@ -307,24 +307,31 @@ class LLMEngine:
         return self.sampler.grammars.matcher(spec)
 
     def abort(self, request_id: str) -> bool:
-        """Finish whatever still runs of a request (its KV freed) and forget it; False if it is unknown."""
+        """Cancel a request (the caller's or the server's act): whatever still runs of it finishes as "abort" (its
+        KV freed), its outputs are dropped, and it is forgotten; False if it is unknown."""
         self.output_processor.abort(request_id)
+        return self._forget(request_id, "abort")
+
+    def retire(self, request_id: str) -> bool:
+        """Forget a request that finished normally, once its output processing is done with it. The core never
+        does so by itself: a stop string found after the core finished the request (by length or a stop token)
+        still has its group here to correct the counts against (`stop_sample`). Its KV blocks went already, at
+        `scheduler.finish`; False if it is unknown."""
+        return self._forget(request_id, "stop")
+
+    def _forget(self, request_id: str, reason: str) -> bool:
+        """Drop a request's group, finishing with `reason` any sample still running or waiting (none, for a
+        retired request: the reason only keeps a broken caller from leaking KV)."""
         g = self.groups.pop(request_id, None)
         if g is None:
             return False
         for r in g.reqs:
             self._pending_forks.pop(r.request_id, None)
             if not r.is_finished:
-                self.scheduler.finish(r, "abort")
+                self.scheduler.finish(r, reason)
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
         return True
-
-    def retire(self, request_id: str) -> bool:
-        """Forget a request whose output processing has finished it. The core never does so by itself: a stop
-        string found after the core finished the request (by length or a stop token) still has its group here
-        to correct the counts against (`stop_sample`). Its KV blocks went already, at `scheduler.finish`."""
-        return self.abort(request_id)  # every sample is finished by now; abort only forgets
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet retired (offline: `step` retires a request with its final output)."""
