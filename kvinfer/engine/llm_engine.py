@@ -63,7 +63,7 @@ def _keep_tiles(model) -> None:
         return
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.raw.is_cpu:
-            m.uses_kernel(drop_source=kernels.drop_source_enabled())
+            m.prepare_kernel(drop_source=kernels.drop_source_enabled())
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:

@@ -62,7 +62,7 @@ class ModelRunner:
         # Prompt rows by their own route (quant_linear.prompt_rows): each row's route is its role, a prompt token
         # or not, so a request's result still does not depend on what shares its steps.
         self.prompt_route = model is not None and prompt_route_on() and any(
-            isinstance(m, QuantLinear) and m.uses_kernel() and m._tiles is not None for m in model.modules())
+            isinstance(m, QuantLinear) and m.prepare_kernel() and m._tiles is not None for m in model.modules())
 
     def _fused_decode(self):
         if not self.use_fused_decode:
