@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from kvinfer import SamplingParams, kernels
 from kvinfer.config import EngineConfig
-from kvinfer.engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
+from kvinfer.engine.llm_engine import LLMEngine
+from kvinfer.engine.startup import resolve_kv_cache_dtype
 from kvinfer.loaders.model_loader import load_model
 from tests.conftest import save_tiny_llama
 from tests.reference_helpers import save_tiny

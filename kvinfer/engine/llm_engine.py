@@ -1,4 +1,6 @@
-"""LLMEngine: add_request / step / abort over the scheduler, KV manager, model runner and sampler."""
+"""LLMEngine, the token-level core: add / abort / retire requests, and each step (the scheduler plans, the runner
+executes the plan, the tokens are sampled or taken and appended) with its token-level outputs; plus the offline
+`add_request` / `step` that process those outputs inline. Start-up checks and construction: engine/startup.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,25 +12,19 @@ from typing import Optional
 
 import torch
 
-from kvinfer.config import EngineConfig, ModelConfig
-from kvinfer.engine.model_runner import ModelRunner
+from kvinfer.config import EngineConfig
 from kvinfer.engine.outputs import Logprob, RequestOutput
-from kvinfer.engine.processing import CoreOutput, EngineRequest, InputProcessor, OutputProcessor, Prompt, SampleDelta
-from kvinfer.errors import ModelLoadError, ValidationError
-from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
-from kvinfer.kv.tier_io import make_tiers
-from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
-                                          resolve_dtype, resolve_source)
+from kvinfer.engine.processing import CoreOutput, EngineRequest, Prompt, SampleDelta
+from kvinfer.engine.startup import build, eos_token_ids
+from kvinfer.errors import ValidationError
+from kvinfer.loaders.model_loader import LoadedModel
 from kvinfer.request import Request
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import MultiStep, Scheduler, SchedulerConfig
+from kvinfer.scheduler import MultiStep
 from kvinfer.structured import GrammarCompiler, accept_token
-from kvinfer.utils import format_bytes
 
 log = logging.getLogger("kvinfer")
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
 
 @dataclass
@@ -41,121 +37,6 @@ class _Group:
     prompt_logprobs_sent: bool = False
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device` without swapping or the kernel's OOM killer."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
-def _keep_tiles(model) -> None:
-    """Where the kernels read quantised weights in tile layout (the avx512 level), unpack each quantised linear's
-    weight into it now (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the
-    weights' memory. Unless KVINFER_DROP_SOURCE=0, where the copy holds every byte of the GGML rows, their pages are
-    given back as they are packed, so the process holds each weight once (QuantLinear.source() brings them back
-    for other readers)."""
-    from kvinfer import kernels
-    from kvinfer.layers.quant_linear import QuantLinear
-
-    if model is None or not (kernels.available() and kernels.active().keeps_tiles and kernels.keep_tiles_enabled()):
-        return
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m.raw.is_cpu:
-            m.prepare_kernel(drop_source=kernels.drop_source_enabled())
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
-    """--kv-cache-dtype auto: bfloat16 where quantised weights run on the CPU kernels with float32 activations
-    (half the bytes per token; decode attention reads the whole cache each step, so throughput gains:
-    docs/BENCHMARKS.md, "Figures behind code decisions"), else the model's dtype. The rounding (2^-9 relative) is
-    well below the weights' 4-bit quantisation error, and llama.cpp keeps such models' caches in fp16 by default.
-    Every backend rounds alike (none included), so a request's result still does not depend on the backend."""
-    from kvinfer import kernels
-    from kvinfer.layers.quant_linear import QuantLinear
-
-    if config.kv_cache_dtype != "auto" or loaded.device.type != "cpu" or loaded.dtype != torch.float32:
-        return config
-    if not kernels.available() or not any(isinstance(m, QuantLinear) for m in loaded.model.modules()):
-        return config
-    return dataclasses.replace(config, kv_cache_dtype="bfloat16")
-
-
-def _kv_budget(config: EngineConfig, weight_bytes: int = 0) -> int:
-    """The KV budget in bytes; --kv-cache-fraction is a share of the memory available once the weights are in
-    (weight_bytes: the weights still to load; 0 once they are)."""
-    if config.kv_cache_memory:
-        return config.kv_cache_memory
-    if config.kv_cache_fraction:
-        import psutil
-
-        return int(max(0, psutil.virtual_memory().available - weight_bytes) * config.kv_cache_fraction)
-    return DEFAULT_KV_CACHE_MEMORY
-
-
-def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """The context window: the model's unless given, never beyond the positions the model has tables for."""
-    n = config.max_model_len or mc.max_position_embeddings
-    # RoPE tables and learned position embeddings stop at max_position_embeddings (already scaled by any
-    # rope_scaling in the config); ALiBi has no table to outgrow.
-    if n > mc.max_position_embeddings and mc.position != "alibi":
-        raise ValidationError("max_model_len", n, f"must be <= {mc.max_position_embeddings}, the positions this "
-                                                  f"model supports ({mc.position} max_position_embeddings)")
-    return n
-
-
-def _weight_bytes(config: EngineConfig, src: ModelSource, device: torch.device, dtype: torch.dtype) -> int:
-    """About the peak bytes of loading the weights."""
-    if src.kind == "gguf" and config.quantization != "none" and device.type == "cpu" and dtype == torch.float32:
-        return src.path.stat().st_size  # the kernels' matrices stay GGUF blocks; never dequantized
-    # Other loaders materialise the decoder in float32 before casting it: that is the peak.
-    return src.config.num_parameters() * 4
-
-
-def check_startup(config: EngineConfig) -> ModelSource:
-    """Refuse, from the flags and the model's metadata alone, what would fail or exhaust memory later: the
-    weights and the KV cache must fit in the memory available now ("never an OOM" starts here)."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    src = resolve_source(config.model, config.load_format)
-    check_source(config, src)
-    mc = src.config
-    max_len = resolve_max_model_len(config, mc)
-    weight_bytes = _weight_bytes(config, src, device, dtype)
-    _, kv_bytes = kv_layout(config.kv_cache, kv_bytes_per_token(config, mc, dtype), config.block_size, max_len,
-                            config.max_num_seqs, _kv_budget(config, weight_bytes))
-    free = available_memory(device)
-    where = "GPU memory free" if device.type == "cuda" else "memory available"
-    if config.kv_cache_fraction and not config.kv_cache_memory:
-        log.warning("--kv-cache-fraction %g: a KV cache of %s fits (%g of the %s of %s once the weights, about %s, "
-                    "are in); %s stay free for activations and everything else", config.kv_cache_fraction,
-                    format_bytes(kv_bytes), config.kv_cache_fraction, format_bytes(max(0, free - weight_bytes)),
-                    where, format_bytes(weight_bytes), format_bytes(max(0, free - weight_bytes - kv_bytes)))
-    if weight_bytes > free:
-        raise ModelLoadError(f"the weights of {config.model or 'the built-in model'} need about "
-                             f"{format_bytes(weight_bytes)} to load, more than the {format_bytes(free)} of {where}")
-    if weight_bytes + kv_bytes > free:
-        raise ValidationError("kv_cache_memory", format_bytes(kv_bytes),
-                              f"the KV cache ({format_bytes(kv_bytes)}) plus the weights (about "
-                              f"{format_bytes(weight_bytes)}) need more than the {format_bytes(free)} of {where}; "
-                              f"lower --kv-cache-memory")
-    return src
-
-
-def usable_threads(requested: int) -> int:
-    """The threads to run: `requested`, or this machine's core count when it asks for more (oversubscribed cores
-    only slow every step down), saying so in one line."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if requested > cores:
-        log.warning("--threads %d is more than the %d core%s this process may use; running %d", requested, cores,
-                    "s" if cores > 1 else "", cores)
-        return cores
-    return requested
-
-
 def _child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 6364136223846793005 + index * 1442695040888963407) % (1 << 63)
 
@@ -165,94 +46,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
-        if config.tensor_parallel_size > 1:  # a worker re-running a script without a main guard stops here
-            from kvinfer.parallel import refuse_spawn_bootstrap
-
-            refuse_spawn_bootstrap()
-        source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
-        if config.speculative_model:  # a missing draft model fails before the target is loaded
-            try:
-                resolve_source(config.speculative_model, "dummy" if config.load_format == "dummy" else "auto")
-            except ModelLoadError as e:
-                raise ValidationError("speculative_model", config.speculative_model, str(e)) from None
-        if config.num_threads:
-            torch.set_num_threads(usable_threads(config.num_threads))
-        if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
-            from kvinfer.parallel import check_tp_size
-
-            check_tp_size(resolve_source(config.model, config.load_format).config, config.tensor_parallel_size)
-        self.loaded = loaded or load_model(config, source=source)
-        _keep_tiles(self.loaded.model)  # before the KV budget is taken from what memory is left
-        self.config = config = resolve_kv_cache_dtype(config, self.loaded)
-        self.model_config = mc = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = resolve_max_model_len(config, mc)
-        dtype, device = self.loaded.dtype, self.loaded.device
-        if device.type == "cpu" and dtype != torch.float32:
-            log.warning("dtype %s on the CPU runs the eager PyTorch path: no quantised kernels or fused decode step, "
-                        "and a request's output may depend on how it is batched or chunked (`kvinfer bench exact "
-                        "--dtype ...` shows it); float32, the CPU default, keeps them identical",
-                        str(dtype).replace("torch.", ""))
-        self.tp = None  # TensorParallel on rank 0 when tensor_parallel_size > 1
-        kv_cfg = mc  # the shapes this process's KV cache holds: a rank's share of the KV heads under TP
-        if config.tensor_parallel_size > 1:
-            from kvinfer.parallel import local_config
-
-            kv_cfg = local_config(mc, config.tensor_parallel_size)  # also checks the head counts
-        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cfg, dtype)
-        kv_spec = spec_for(config, kv_cfg, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config), dtype,
-                           device)
-        self.kv_dtype = kv_spec.kv_dtype if kv_spec.kv_dtype != "auto" else str(dtype).replace("torch.", "")
-        self.kv_manager, self.kv_cache = make_kv(kv_spec, alibi=getattr(self.loaded.model, "alibi", None))
-        m = self.kv_manager
-        log.info("KV cache: %s, %s, %s (%s per token, %d %ss of %d tokens, token capacity %d)", m.kind,
-                 self.kv_dtype, format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
-                 m.num_units, m.unit_name, m.unit_tokens, m.token_capacity)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
-        self.processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.scheduler)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device, self._eos_ids())
-        else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
-            from kvinfer.parallel import TensorParallel
-
-            self.tp = TensorParallel.start(config, self.loaded)
-            self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
-        self.kv_manager.prompt_roles = self.runner.prompt_route  # prefix-cache hashes say which tokens are prompt
-        # Tiers below the pool (RAM, disk, Redis) where the flags ask for them: kv/tier_io.py, docs/kv_tiers.md
-        self.kv_tiers = make_tiers(config, self.loaded, self.kv_cache, self.kv_manager, self.runner.prompt_route,
-                                   self.tp is None)
+        parts = build(config, loaded)  # engine/startup.py: the checks, then every part
+        for f in dataclasses.fields(parts):  # engine.kv_manager, engine.scheduler, engine.runner, ...
+            setattr(self, f.name, getattr(parts, f.name))
         self.sampler = Sampler()
-        self._rng = torch.Generator().manual_seed(config.seed)
+        self._rng = torch.Generator().manual_seed(self.config.seed)
         self.groups: dict[str, _Group] = {}
         self._pending_forks: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0,
                           spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
-        self.speculator = self._build_speculator() if config.speculative else None
-
-    def _build_speculator(self):
-        from kvinfer.spec.speculator import Speculator, default_tokens
-
-        c = self.config
-        draft = None
-        if c.speculative == "draft":
-            from kvinfer.spec.draft import DraftProposer
-
-            dcfg = c.replace(model=c.speculative_model, tokenizer=None, speculative=None, speculative_model=None,
-                             load_format="dummy" if c.load_format == "dummy" else "auto")
-            dl = load_model(dcfg, max(self.max_model_len, 1))
-            if dl.config.vocab_size != self.model_config.vocab_size:
-                raise ValidationError("speculative_model", c.speculative_model,
-                                      f"has a vocabulary of {dl.config.vocab_size} tokens; the target has "
-                                      f"{self.model_config.vocab_size} (the draft needs the same tokenizer)")
-            # As many tokens of draft KV as the target's cache holds, so the draft never runs out first.
-            tokens = max(self.kv_manager.token_capacity, self.max_model_len)
-            draft = DraftProposer(dl, -(-tokens // c.block_size) + 1, c.block_size)
-            log.info("draft model %s: KV cache %s", c.speculative_model, format_bytes(draft.cache.nbytes))
-        k = c.num_speculative_tokens or default_tokens(c.speculative, self.loaded.device)
-        return Speculator(c.speculative, k, c.ngram_min, c.ngram_max, draft)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
@@ -546,9 +349,7 @@ class LLMEngine:
         return SampleRow(p, r.prompt_token_ids, out, r.generator, banned, r.grammar)
 
     def _eos_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return tuple(self.model_config.eos_token_ids)
+        return eos_token_ids(self.tokenizer, self.model_config)
 
     def _append_token(self, r: Request, tok: int, lp, now: float) -> None:
         r.output_token_ids.append(tok)
