@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the decoder, returns logits for sampling."""
+"""ModelRunner: executes the scheduler's plan. A planned step becomes tensors, one decoder forward and the logits
+to sample; a plan of fused decode steps runs in one C call and returns its tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class ModelRunner:
         # The model's end-of-sequence ids: a fused call of several decode steps stops after a step that made one
         # (or a request's own stop token).
         self.stop_token_ids = tuple(stop_token_ids)
-        self._fused = None  # FusedDecode, built on the first decode-only step
+        self._fused = None  # FusedDecode, built on first use
         self._fused_checked = False
         # Prompt rows by their own route (quant_linear.prompt_rows): each row's route is its role, a prompt token
         # or not, so a request's result still does not depend on what shares its steps.
