@@ -26,9 +26,15 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. decode_steps 0: a planned step (prefill chunks, decodes, verifications) the runner lays out
+    row by row. decode_steps n >= 1: n decode steps of every scheduled request in one fused call (vLLM's multi-step
+    scheduling), each seq one token per step, with KV slots allocated for all n; the call may stop sooner (a stop
+    token), and `update_after_step` gives back the slots it did not reach."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    decode_steps: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -37,6 +43,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(frozen=True)
+class MultiStep:
+    """What the engine's runner can take in one fused call, offered to `Scheduler.schedule` each step."""
+
+    most: int  # decode steps per call at most
+    least: int = 2  # fewer than this many and the step is planned instead
+    # Whether a request's last prompt token may be a step of the call (not where prompt rows take a route of their
+    # own: the fused call has none).
+    prompt_tail: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,14 @@ class Scheduler:
         self.requests[req.request_id] = req
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, multi: Optional[MultiStep] = None) -> SchedulerOutput:
+        """The next step's plan: several fused decode steps where `multi` allows them and the pool holds their
+        slots, else a planned step under the token budget."""
+        n = self._decode_steps(multi) if multi is not None else 0
+        if n:
+            out = self._schedule_decode_steps(n)
+            if out is not None:
+                return out
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -157,6 +181,36 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
+    def _decode_steps(self, multi: MultiStep) -> int:
+        """How many decode steps, up to multi.most, the next call may make fused (0: none). Only while every running
+        request decodes with nothing for the sampler to change but temperature and top-k/top-p/min-p (no penalties,
+        bias, grammar, banned stop tokens, proposed tokens) and no request waits for admission, so none waits longer
+        than one call; no request may pass its max_tokens or the context window inside the call."""
+        n = multi.most
+        if n < 1 or self.waiting or not self.running:
+            return 0
+        for r in self.running:
+            p = r.params
+            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain or r.grammar is not None
+                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids
+                    or (not multi.prompt_tail and r.num_computed_tokens < r.num_prompt_tokens)):
+                return 0
+            n = min(n, p.max_tokens - r.num_output_tokens, self.cfg.max_model_len - r.num_tokens)
+        return n if n >= max(multi.least, 1) else 0
+
+    def _schedule_decode_steps(self, n: int) -> Optional[SchedulerOutput]:
+        """Slots for n more positions of every running request, or None (nothing changed) if the pool cannot hold
+        them all: the caller plans a step instead, preempting as it must."""
+        reqs = list(self.running)
+        for i, r in enumerate(reqs):
+            if not self.kv.allocate_slots(r, n):
+                for q in reqs[:i]:
+                    self.kv.trim(q, q.num_computed_tokens)
+                return None
+        # block_copies: a fork sibling's shared last block, copied before the call writes into it
+        return SchedulerOutput([ScheduledSeq(r, r.num_computed_tokens, 1) for r in reqs],
+                               block_copies=self.kv.take_copies(), decode_steps=n)
+
     def _must_wait_whole(self, n: int, need: int) -> bool:
         """Without chunked prefill a sequence runs whole, once a step's budget holds it; one longer than the
         whole budget (a long prompt, or prompt + outputs recomputed after preemption) would wait forever and
@@ -174,11 +228,28 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
+        """A planned step: its positions are computed (called before its tokens are sampled). Fused decode steps:
+        called once their tokens are appended, when each request has computed all its tokens but the last; the
+        slots of the steps the call did not reach go back, request by request in the plan's order."""
+        if not out.decode_steps:
+            for s in out.scheduled:
+                s.request.num_computed_tokens = s.end
+            return
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.end
+            r = s.request
+            if r.is_finished:  # its KV went back when it finished
+                r.num_computed_tokens = r.num_tokens - 1
+            else:
+                self.settle(r)
+
+    def settle(self, req: Request) -> None:
+        """After a step appended a running request's tokens: what it has computed is every token but its last; the
+        slots allocated past that (rejected proposals, decode steps a fused call did not reach) go back."""
+        self.rollback(req, req.num_tokens - 1)
 
     def rollback(self, req: Request, num_computed_tokens: int) -> None:
-        """Rejected proposals: their KV slots are dropped (the block table trimmed) and recomputed as needed."""
+        """Keep the KV of the first num_computed_tokens tokens: the slots past them are dropped (the block table
+        trimmed) and recomputed as needed."""
         req.num_computed_tokens = num_computed_tokens
         self.kv.trim(req, num_computed_tokens)
 

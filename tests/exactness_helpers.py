@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kvinfer import SamplingParams
 from kvinfer.config import EngineConfig
-from kvinfer.engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
+from kvinfer.engine.llm_engine import LLMEngine
+from kvinfer.engine.startup import resolve_kv_cache_dtype
 
 MAX_LEN = 96
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvinfer.cli import build_parser, main
 from kvinfer.config import EngineConfig
+from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.errors import ModelLoadError, ValidationError
 
 HUGE = "99999999999999999999"
@@ -174,14 +175,14 @@ def test_flag_is_not_repeated_and_negative_sizes_are_values(capsys):
 
 # ---- start-up: refuse before allocating ---------------------------------------------------------------------
 def _no_allocation(monkeypatch):
-    from kvinfer.engine import llm_engine
+    from kvinfer.engine import startup
 
     def boom(*a, **k):
         raise AssertionError("allocated after all")
 
     for name in ("load_model", "make_kv"):
-        monkeypatch.setattr(llm_engine, name, boom)
-    return llm_engine
+        monkeypatch.setattr(startup, name, boom)
+    return startup
 
 
 def test_engine_config_takes_sizes_as_the_command_line_does():
@@ -214,32 +215,32 @@ def test_engine_config_takes_paths_and_numpy_numbers():
 
 
 def test_kv_budget_above_available_memory_is_refused_before_allocating(monkeypatch):
-    llm_engine = _no_allocation(monkeypatch)
-    monkeypatch.setattr(llm_engine, "available_memory", lambda device: 3 << 30)
+    startup = _no_allocation(monkeypatch)
+    monkeypatch.setattr(startup, "available_memory", lambda device: 3 << 30)
     with pytest.raises(ValidationError) as e:
-        llm_engine.LLMEngine(EngineConfig(kv_cache_memory=4 << 30))
+        LLMEngine(EngineConfig(kv_cache_memory=4 << 30))
     msg = str(e.value)
     assert e.value.param == "kv_cache_memory" and "4.00 GiB" in msg and "3.00 GiB" in msg, msg
     # Contiguous: the slots the budget buys, capped by max_num_seqs, are what is checked.
     with pytest.raises(ValidationError):
-        llm_engine.LLMEngine(EngineConfig(kv_cache="contiguous", kv_cache_memory=8 << 30))
+        LLMEngine(EngineConfig(kv_cache="contiguous", kv_cache_memory=8 << 30))
     with pytest.raises(AssertionError, match="allocated"):  # within the memory it goes on to load
-        llm_engine.LLMEngine(EngineConfig(kv_cache="contiguous", kv_cache_memory=8 << 30, max_num_seqs=1))
+        LLMEngine(EngineConfig(kv_cache="contiguous", kv_cache_memory=8 << 30, max_num_seqs=1))
 
 
 def test_weights_above_available_memory_and_wrong_quantization_are_refused_before_loading(monkeypatch):
-    llm_engine = _no_allocation(monkeypatch)
-    monkeypatch.setattr(llm_engine, "available_memory", lambda device: 8 << 30)
+    startup = _no_allocation(monkeypatch)
+    monkeypatch.setattr(startup, "available_memory", lambda device: 8 << 30)
     with pytest.raises(ModelLoadError, match=r"weights of llama-2-7b need about 25\.\d\d GiB.*8\.00 GiB"):
-        llm_engine.LLMEngine(EngineConfig(model="llama-2-7b", load_format="dummy", dtype="float32"))
+        LLMEngine(EngineConfig(model="llama-2-7b", load_format="dummy", dtype="float32"))
     with pytest.raises(ValidationError, match="needs a GGUF model"):
-        llm_engine.LLMEngine(EngineConfig(model="llama-2-7b", load_format="dummy", quantization="gguf"))
+        LLMEngine(EngineConfig(model="llama-2-7b", load_format="dummy", quantization="gguf"))
 
 
 def test_max_model_len_beyond_the_positions_is_refused_before_loading(monkeypatch):
-    llm_engine = _no_allocation(monkeypatch)
+    _no_allocation(monkeypatch)
     with pytest.raises(ValidationError, match="must be <= 8192"):
-        llm_engine.LLMEngine(EngineConfig(max_model_len=100000))
+        LLMEngine(EngineConfig(max_model_len=100000))
 
 
 def test_port_in_use_is_one_line_without_serving_banner():

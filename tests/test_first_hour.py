@@ -130,7 +130,7 @@ def test_bench_default_peers_are_the_installed_ones(monkeypatch, capsys):
 def test_threads_over_the_core_count_say_what_runs(caplog):
     import os
 
-    from kvinfer.engine.llm_engine import usable_threads
+    from kvinfer.engine.startup import usable_threads
 
     cores = len(os.sched_getaffinity(0))
     with caplog.at_level("WARNING", logger="kvinfer"):
@@ -144,13 +144,13 @@ def test_kv_cache_fraction_is_a_share_of_what_is_left_after_the_weights(caplog):
     import psutil
 
     from kvinfer.config import EngineConfig
-    from kvinfer.engine.llm_engine import _kv_budget, check_startup
+    from kvinfer.engine.startup import check_startup, kv_budget
 
     cfg = EngineConfig(kv_cache_fraction=0.99, max_model_len=256)
     avail = psutil.virtual_memory().available
     weights = 4 << 30
     # before: 0.99 of all the memory available, as if the weights took none of it
-    assert _kv_budget(cfg, weights) <= 0.99 * (avail - weights) + (64 << 20)
+    assert kv_budget(cfg, weights) <= 0.99 * (avail - weights) + (64 << 20)
     with caplog.at_level("WARNING", logger="kvinfer"):
         check_startup(cfg)
     assert "--kv-cache-fraction 0.99: a KV cache of" in caplog.text and "once the weights" in caplog.text

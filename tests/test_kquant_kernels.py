@@ -322,7 +322,7 @@ def test_iq4_xs_is_kept_quantized_and_reads_its_scales_and_table():
         x[0, 40] = 1.0  # sub-block 1: 2 * 0.5 * T[1]
         assert lib.matmul(x, raw, "IQ4_XS").item() == pytest.approx(-104.0, rel=1e-6), lv
     lin = QuantLinear(raw.clone(), "IQ4_XS", (1, 256))
-    assert lin.raw.dtype == torch.uint8 and lin.uses_kernel()
+    assert lin.raw.dtype == torch.uint8 and lin.prepare_kernel()
 
 
 @pytest.mark.skipif(kernels.level() not in ("avx2", "avx512"), reason="the active kernels keep no copies")
@@ -336,7 +336,7 @@ def test_a_dropped_weight_is_copied_and_saved_as_its_gguf_bytes_and_not_restored
     raw = torch.frombuffer(buf, dtype=torch.uint8).view(n, -1)
     raw.copy_(torch.from_numpy(raw_np))
     lin = QuantLinear(raw, "Q4_K", (n, k))
-    if not lin.uses_kernel(drop_source=True) or lin._tiles is None:
+    if not lin.prepare_kernel(drop_source=True) or lin._tiles is None:
         pytest.skip("the active kernels keep no copies (KVINFER_AMX_KEEP=0)")
     assert lin._tiles.dropped and int(raw.count_nonzero()) < raw.numel() // 2
     x = torch.randn(2, k)

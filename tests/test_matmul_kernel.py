@@ -230,7 +230,7 @@ def test_missing_compiler_reports_unavailable(fresh_kernels, monkeypatch):
     raw = make_raw("Q4_1", 33, 64)
     lin = QuantLinear.from_raw(raw, "Q4_1", (33, 64))
     x = torch.randn(2, 64)
-    assert not lin.uses_kernel()
+    assert not lin.prepare_kernel()
     assert rel_err(lin(x), reference(x, raw, "Q4_1", 33, 64)) < TOL
 
 
@@ -437,7 +437,7 @@ def test_quant_linear_matches_dequantized_linear(qtype, t):
     ref = F.linear(x.double(), dequantize(raw, qtype, (n, k)).double(), bias.double())
     assert rel_err(lin(x), ref) < TOL_I16
     # Every batch goes to the kernel (batch invariance) without ever making the float32 copy.
-    assert lin.uses_kernel() and lin._weight is None
+    assert lin.prepare_kernel() and lin._weight is None
 
 
 def test_quant_linear_shapes_strides_and_options():
@@ -469,7 +469,7 @@ def test_quant_linear_copies_and_pickles():
     lin = QuantLinear.from_raw(raw, "Q8_0", (n, k), torch.randn(n))
     x = torch.randn(2, k)
     y = lin(x)
-    assert lin.uses_kernel()
+    assert lin.prepare_kernel()
     for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
         assert other.raw.data_ptr() != lin.raw.data_ptr()
         assert torch.equal(other(x), y)
@@ -482,7 +482,7 @@ def test_quant_linear_other_types_fall_back():
     raw = make_raw("Q5_0", n, k)  # dequant.py knows it, the kernel does not
     lin = QuantLinear.from_raw(raw, "Q5_0", (n, k))
     x = torch.randn(1, k)
-    assert not lin.uses_kernel()
+    assert not lin.prepare_kernel()
     assert rel_err(lin(x), reference(x, raw, "Q5_0", n, k)) < TOL
 
 

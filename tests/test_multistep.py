@@ -20,15 +20,16 @@ def _run(llm, prompts, params):
 
 
 def _calls(llm):
-    """Counts the engine's multi-step calls."""
-    eng = llm.engine
-    orig, n = eng._step_fused, [0]
+    """Counts the engine's multi-step calls (the scheduler's plans of fused decode steps)."""
+    sched = llm.engine.scheduler
+    orig, n = sched.schedule, [0]
 
-    def counted(steps):
-        n[0] += 1
-        return orig(steps)
+    def counted(*a):
+        out = orig(*a)
+        n[0] += out.decode_steps > 1
+        return out
 
-    eng._step_fused = counted
+    sched.schedule = counted
     return n
 
 

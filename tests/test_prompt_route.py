@@ -70,7 +70,7 @@ def test_quant_linear_computes_prompt_rows_by_their_route_and_the_rest_as_before
     from kvinfer.layers.quant_linear import QuantLinear
 
     lin = QuantLinear(_weight("Q4_1", 96, 128), "Q4_1", (96, 128), bias=torch.randn(96))
-    assert lin.uses_kernel() and lin._tiles is not None
+    assert lin.prepare_kernel() and lin._tiles is not None
     x = torch.randn(30, 128)
     plain = lin(x)
     with set_forward_context(ForwardContext(prompt_spans=[(2, 9), (20, 30)])):

@@ -420,8 +420,15 @@ def test_builtin_model_extractive_prompts_identical_and_mostly_accepted(builtin_
     eng = builtin_llm.engine
     llm = LLM(config=eng.config.replace(speculative="ngram"), loaded=eng.loaded)
     plain_steps = []  # steps in which no request proposed go through the fused one-call greedy path
-    step_greedy = llm.engine._step_fused
-    llm.engine._step_fused = lambda n: plain_steps.append(n) or step_greedy(n)
+    schedule = llm.engine.scheduler.schedule
+
+    def planned(*a):
+        out = schedule(*a)
+        if out.decode_steps:
+            plain_steps.append(out.decode_steps)
+        return out
+
+    llm.engine.scheduler.schedule = planned
     outs = [llm.generate([p], sp)[0] for p in ps] + llm.generate(ps, sp)
     assert_same(outs, ref)  # tokens and logprobs, bit for bit
     assert plain_steps and set(plain_steps) == {1}

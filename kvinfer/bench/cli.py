@@ -180,7 +180,8 @@ def cmd_decode(args) -> int:
     import random
 
     from kvinfer.cli import engine_config_from_args
-    from kvinfer.engine.llm_engine import LLMEngine, check_startup
+    from kvinfer.engine.llm_engine import LLMEngine
+    from kvinfer.engine.startup import check_startup
     from kvinfer.loaders.model_loader import load_model
     from kvinfer.sampling_params import SamplingParams
 

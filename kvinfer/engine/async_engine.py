@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from kvinfer.config import EngineConfig
+from kvinfer.engine.commands import Abort, AddRequests, Call, Command, Retire, Shutdown, StopSample
 from kvinfer.engine.outputs import RequestOutput
 from kvinfer.engine.processing import CoreOutput, OutputProcessor
 from kvinfer.errors import KvinferError
@@ -160,23 +161,23 @@ class RequestStream:
             outs, stops, corrected = self.outputs.process(core_outs)
         except Exception as e:  # a bug (a tokenizer that cannot decode): end this stream, free its requests
             log.exception("output processing failed; aborting %s", sorted(self._unfinished))
-            self._engine._send(("abort", list(self._unfinished)))
+            self._engine._send(Abort(tuple(self._unfinished)))
             self._unfinished.clear()
             self._fail(EngineStepError(f"internal error while processing outputs ({type(e).__name__}: {e}); "
                                        "the request was aborted"))
             return
         send = self._engine._send
         for request_id, index, kept in stops:  # at once, so the core stops spending steps on them
-            send(("stop_sample", request_id, index, kept))
+            send(StopSample(request_id, index, kept))
         for out in outs:
             if not out.finished:
                 self._put(out)
             elif out.request_id in corrected:
                 # After the stop commands, in order: the core corrects its counts, then hands the final back,
                 # so a client that sees its response finds it counted as it was kept.
-                send(("retire", out.request_id, self, out))
+                send(Retire(out.request_id, self, out))
             else:
-                send(("retire", out.request_id))
+                send(Retire(out.request_id))
                 self._put(out)
 
     @property
@@ -186,7 +187,7 @@ class RequestStream:
     def abort(self) -> None:
         """Stop the requests still running (their KV blocks are freed) and end the stream; idempotent."""
         if self._unfinished:
-            self._engine._send(("abort", list(self._unfinished)))
+            self._engine._send(Abort(tuple(self._unfinished)))
             self._unfinished.clear()
         self._pending.clear()
         self._close()
@@ -202,8 +203,8 @@ class AsyncLLMEngine:
     queue, steps while there is work, and hands each step's token-level outputs to the event loop in one batch
     with `call_soon_threadsafe`, so the loop never waits on the model and the model never waits on the loop.
     Output processing (detokenization, stop strings) runs on the loop, per stream. A stop string found there
-    comes back as a ("stop_sample", ...) command; the core keeps every request's group until a ("retire", ...)
-    command (or an abort) says its outputs are done, so the tokens it made after a stop string can always be
+    comes back as a StopSample command; the core keeps every request's group until a Retire command (or an Abort)
+    says its outputs are done, so the tokens it made after a stop string can always be
     uncounted, even when it finished the request by length or EOS first.
     """
 
@@ -213,7 +214,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.config = engine.config
-        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._commands: "queue.SimpleQueue[Command]" = queue.SimpleQueue()  # engine/commands.py
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._num_active = 0  # sequences admitted and not yet released (callers may sit on several loops)
         self._active_lock = threading.Lock()
@@ -241,7 +242,7 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; streams still open end with EngineDeadError."""
         self._stopping = True
-        self._commands.put(("shutdown",))
+        self._commands.put(Shutdown())
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._thread.ident is not None and not self._thread.is_alive():
@@ -297,7 +298,7 @@ class AsyncLLMEngine:
             outputs.add(r.request_id, r)
         stream = RequestStream(self, [r.request_id for r in reqs], loop, outputs, seqs)
         accepted = loop.create_future()
-        self._send(("add", stream, reqs, accepted))
+        self._send(AddRequests(stream, reqs, accepted))
         try:
             await accepted
         except BaseException as e:
@@ -323,7 +324,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (thread-safe); its stream, if any, ends."""
-        self._send(("abort", [request_id]))
+        self._send(Abort((request_id,)))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -337,24 +338,24 @@ class AsyncLLMEngine:
             raise EngineDeadError() if self._dead is None else EngineDeadError(f"the engine failed: {self._dead!r}")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._send(("call", fn, loop, fut))
+        self._send(Call(fn, loop, fut))
         return await fut
 
     def _release(self, stream: RequestStream) -> None:
         with self._active_lock:
             self._num_active -= stream.num_seqs
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
-        leftover: list[tuple] = []
+        leftover: list[Command] = []
         try:
             while True:
                 cmds = self._take_commands(block=not eng.has_work())
-                if any(c[0] == "shutdown" for c in cmds):
+                if any(isinstance(c, Shutdown) for c in cmds):
                     leftover = cmds
                     break
                 for c in cmds:
@@ -382,16 +383,16 @@ class AsyncLLMEngine:
             # Commands that raced with the stop: resolve their futures so no caller waits forever.
             leftover += self._take_commands(block=False)
             for c in leftover:
-                if c[0] == "add":
-                    self._resolve(c[1]._loop, c[3], err)
-                elif c[0] == "call":
-                    self._resolve(c[2], c[3], err)
-                elif c[0] in ("stop_sample", "retire", "abort") and self._dead is None:
+                if isinstance(c, AddRequests):
+                    self._resolve(c.stream._loop, c.accepted, err)
+                elif isinstance(c, Call):
+                    self._resolve(c.loop, c.future, err)
+                elif isinstance(c, (StopSample, Retire, Abort)) and self._dead is None:
                     self._handle(c)  # bookkeeping only: outputs already processed must not leave groups behind
             if self._dead is not None and self.on_dead is not None:
                 self.on_dead()
 
-    def _take_commands(self, block: bool) -> list[tuple]:
+    def _take_commands(self, block: bool) -> list[Command]:
         """Whatever commands arrived; blocks for one only when `block` (idle: no step to take)."""
         cmds = [self._commands.get()] if block else []
         while True:
@@ -400,45 +401,40 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return cmds
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, cmd: Command) -> None:
         eng = self.engine
-        if cmd[0] == "add":
-            _, stream, reqs, fut = cmd
-            added = []
+        if isinstance(cmd, AddRequests):
+            stream, added = cmd.stream, []
             try:
-                for req in reqs:
+                for req in cmd.requests:
                     added.append(eng.add_processed(req))
             except Exception as e:
                 for rid in added:
                     eng.abort(rid)
-                self._resolve(stream._loop, fut, e)
+                self._resolve(stream._loop, cmd.accepted, e)
                 return
             for rid in added:
                 self._streams[rid] = stream
-            self._resolve(stream._loop, fut, None)
-        elif cmd[0] == "call":
-            _, fn, loop, fut = cmd
+            self._resolve(stream._loop, cmd.accepted, None)
+        elif isinstance(cmd, Call):
             try:
-                result, exc = fn(eng), None
+                result, exc = cmd.fn(eng), None
             except Exception as e:
                 result, exc = None, e
-            self._resolve(loop, fut, exc, result)
-        elif cmd[0] == "stop_sample":
-            _, rid, index, kept = cmd
-            eng.stop_sample(rid, index, kept)
-        elif cmd[0] == "retire":
-            rid = cmd[1]
-            eng.retire(rid)
-            self._streams.pop(rid, None)
-            if len(cmd) > 2:  # a final held back until the stop commands before it corrected the counts
-                _, _, stream, final = cmd
+            self._resolve(cmd.loop, cmd.future, exc, result)
+        elif isinstance(cmd, StopSample):
+            eng.stop_sample(cmd.request_id, cmd.index, cmd.kept)
+        elif isinstance(cmd, Retire):
+            eng.retire(cmd.request_id)
+            self._streams.pop(cmd.request_id, None)
+            if cmd.stream is not None:  # a final held back until the stop commands before it corrected the counts
                 self._snapshot()
                 try:
-                    stream._loop.call_soon_threadsafe(_put_final, stream, final)
+                    cmd.stream._loop.call_soon_threadsafe(_put_final, cmd.stream, cmd.final)
                 except RuntimeError:
                     pass
-        elif cmd[0] == "abort":
-            for rid in cmd[1]:
+        elif isinstance(cmd, Abort):
+            for rid in cmd.request_ids:
                 eng.abort(rid)
                 stream = self._streams.pop(rid, None)
                 if stream is not None and not stream.closed:

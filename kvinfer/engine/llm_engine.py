@@ -1,4 +1,6 @@
-"""LLMEngine: add_request / step / abort over the scheduler, KV manager, model runner and sampler."""
+"""LLMEngine, the token-level core: add / abort / retire requests, and each step (the scheduler plans, the runner
+executes the plan, the tokens are sampled or taken and appended) with its token-level outputs; plus the offline
+`add_request` / `step` that process those outputs inline. Start-up checks and construction: engine/startup.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,25 +12,19 @@ from typing import Optional
 
 import torch
 
-from kvinfer.config import EngineConfig, ModelConfig
-from kvinfer.engine.model_runner import ModelRunner
+from kvinfer.config import EngineConfig
 from kvinfer.engine.outputs import Logprob, RequestOutput
-from kvinfer.engine.processing import CoreOutput, EngineRequest, InputProcessor, OutputProcessor, Prompt, SampleDelta
-from kvinfer.errors import ModelLoadError, ValidationError
-from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
-from kvinfer.kv.tier_io import make_tiers
-from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
-                                          resolve_dtype, resolve_source)
+from kvinfer.engine.processing import CoreOutput, EngineRequest, Prompt, SampleDelta
+from kvinfer.engine.startup import build, eos_token_ids
+from kvinfer.errors import ValidationError
+from kvinfer.loaders.model_loader import LoadedModel
 from kvinfer.request import Request
 from kvinfer.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.scheduler import MultiStep
 from kvinfer.structured import GrammarCompiler, accept_token
-from kvinfer.utils import format_bytes
 
 log = logging.getLogger("kvinfer")
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
 
 @dataclass
@@ -41,121 +37,6 @@ class _Group:
     prompt_logprobs_sent: bool = False
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device` without swapping or the kernel's OOM killer."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
-    return psutil.virtual_memory().available
-
-
-def _keep_tiles(model) -> None:
-    """Where the kernels read quantised weights in tile layout (the avx512 level), unpack each quantised linear's
-    weight into it now (kernels.Kernels.keep_tiles), rather than at its first forward: the copy is part of the
-    weights' memory. Unless KVINFER_DROP_SOURCE=0, where the copy holds every byte of the GGML rows, their pages are
-    given back as they are packed, so the process holds each weight once (QuantLinear.source() brings them back
-    for other readers)."""
-    from kvinfer import kernels
-    from kvinfer.layers.quant_linear import QuantLinear
-
-    if model is None or not (kernels.available() and kernels.active().keeps_tiles and kernels.keep_tiles_enabled()):
-        return
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m.raw.is_cpu:
-            m.uses_kernel(drop_source=kernels.drop_source_enabled())
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
-    """--kv-cache-dtype auto: bfloat16 where quantised weights run on the CPU kernels with float32 activations
-    (half the bytes per token; decode attention reads the whole cache each step, so throughput gains:
-    docs/BENCHMARKS.md, "Figures behind code decisions"), else the model's dtype. The rounding (2^-9 relative) is
-    well below the weights' 4-bit quantisation error, and llama.cpp keeps such models' caches in fp16 by default.
-    Every backend rounds alike (none included), so a request's result still does not depend on the backend."""
-    from kvinfer import kernels
-    from kvinfer.layers.quant_linear import QuantLinear
-
-    if config.kv_cache_dtype != "auto" or loaded.device.type != "cpu" or loaded.dtype != torch.float32:
-        return config
-    if not kernels.available() or not any(isinstance(m, QuantLinear) for m in loaded.model.modules()):
-        return config
-    return dataclasses.replace(config, kv_cache_dtype="bfloat16")
-
-
-def _kv_budget(config: EngineConfig, weight_bytes: int = 0) -> int:
-    """The KV budget in bytes; --kv-cache-fraction is a share of the memory available once the weights are in
-    (weight_bytes: the weights still to load; 0 once they are)."""
-    if config.kv_cache_memory:
-        return config.kv_cache_memory
-    if config.kv_cache_fraction:
-        import psutil
-
-        return int(max(0, psutil.virtual_memory().available - weight_bytes) * config.kv_cache_fraction)
-    return DEFAULT_KV_CACHE_MEMORY
-
-
-def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """The context window: the model's unless given, never beyond the positions the model has tables for."""
-    n = config.max_model_len or mc.max_position_embeddings
-    # RoPE tables and learned position embeddings stop at max_position_embeddings (already scaled by any
-    # rope_scaling in the config); ALiBi has no table to outgrow.
-    if n > mc.max_position_embeddings and mc.position != "alibi":
-        raise ValidationError("max_model_len", n, f"must be <= {mc.max_position_embeddings}, the positions this "
-                                                  f"model supports ({mc.position} max_position_embeddings)")
-    return n
-
-
-def _weight_bytes(config: EngineConfig, src: ModelSource, device: torch.device, dtype: torch.dtype) -> int:
-    """About the peak bytes of loading the weights."""
-    if src.kind == "gguf" and config.quantization != "none" and device.type == "cpu" and dtype == torch.float32:
-        return src.path.stat().st_size  # the kernels' matrices stay GGUF blocks; never dequantized
-    # Other loaders materialise the decoder in float32 before casting it: that is the peak.
-    return src.config.num_parameters() * 4
-
-
-def check_startup(config: EngineConfig) -> ModelSource:
-    """Refuse, from the flags and the model's metadata alone, what would fail or exhaust memory later: the
-    weights and the KV cache must fit in the memory available now ("never an OOM" starts here)."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    src = resolve_source(config.model, config.load_format)
-    check_source(config, src)
-    mc = src.config
-    max_len = resolve_max_model_len(config, mc)
-    weight_bytes = _weight_bytes(config, src, device, dtype)
-    _, kv_bytes = kv_layout(config.kv_cache, kv_bytes_per_token(config, mc, dtype), config.block_size, max_len,
-                            config.max_num_seqs, _kv_budget(config, weight_bytes))
-    free = available_memory(device)
-    where = "GPU memory free" if device.type == "cuda" else "memory available"
-    if config.kv_cache_fraction and not config.kv_cache_memory:
-        log.warning("--kv-cache-fraction %g: a KV cache of %s fits (%g of the %s of %s once the weights, about %s, "
-                    "are in); %s stay free for activations and everything else", config.kv_cache_fraction,
-                    format_bytes(kv_bytes), config.kv_cache_fraction, format_bytes(max(0, free - weight_bytes)),
-                    where, format_bytes(weight_bytes), format_bytes(max(0, free - weight_bytes - kv_bytes)))
-    if weight_bytes > free:
-        raise ModelLoadError(f"the weights of {config.model or 'the built-in model'} need about "
-                             f"{format_bytes(weight_bytes)} to load, more than the {format_bytes(free)} of {where}")
-    if weight_bytes + kv_bytes > free:
-        raise ValidationError("kv_cache_memory", format_bytes(kv_bytes),
-                              f"the KV cache ({format_bytes(kv_bytes)}) plus the weights (about "
-                              f"{format_bytes(weight_bytes)}) need more than the {format_bytes(free)} of {where}; "
-                              f"lower --kv-cache-memory")
-    return src
-
-
-def usable_threads(requested: int) -> int:
-    """The threads to run: `requested`, or this machine's core count when it asks for more (oversubscribed cores
-    only slow every step down), saying so in one line."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if requested > cores:
-        log.warning("--threads %d is more than the %d core%s this process may use; running %d", requested, cores,
-                    "s" if cores > 1 else "", cores)
-        return cores
-    return requested
-
-
 def _child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 6364136223846793005 + index * 1442695040888963407) % (1 << 63)
 
@@ -165,95 +46,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
         self.config = config
-        if config.tensor_parallel_size > 1:  # a script without a main guard stops here, in the worker or before
-            from kvinfer.parallel import refuse_spawn_bootstrap, refuse_unguarded_main
-
-            refuse_spawn_bootstrap()
-            refuse_unguarded_main(config)
-        source = None if loaded is not None else check_startup(config)  # refuse before allocating anything
-        if config.speculative_model:  # a missing draft model fails before the target is loaded
-            try:
-                resolve_source(config.speculative_model, "dummy" if config.load_format == "dummy" else "auto")
-            except ModelLoadError as e:
-                raise ValidationError("speculative_model", config.speculative_model, str(e)) from None
-        if config.num_threads:
-            torch.set_num_threads(usable_threads(config.num_threads))
-        if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
-            from kvinfer.parallel import check_tp_size
-
-            check_tp_size(resolve_source(config.model, config.load_format).config, config.tensor_parallel_size)
-        self.loaded = loaded or load_model(config, source=source)
-        _keep_tiles(self.loaded.model)  # before the KV budget is taken from what memory is left
-        self.config = config = resolve_kv_cache_dtype(config, self.loaded)
-        self.model_config = mc = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = resolve_max_model_len(config, mc)
-        dtype, device = self.loaded.dtype, self.loaded.device
-        if device.type == "cpu" and dtype != torch.float32:
-            log.warning("dtype %s on the CPU runs the eager PyTorch path: no quantised kernels or fused decode step, "
-                        "and a request's output may depend on how it is batched or chunked (`kvinfer bench exact "
-                        "--dtype ...` shows it); float32, the CPU default, keeps them identical",
-                        str(dtype).replace("torch.", ""))
-        self.tp = None  # TensorParallel on rank 0 when tensor_parallel_size > 1
-        kv_cfg = mc  # the shapes this process's KV cache holds: a rank's share of the KV heads under TP
-        if config.tensor_parallel_size > 1:
-            from kvinfer.parallel import local_config
-
-            kv_cfg = local_config(mc, config.tensor_parallel_size)  # also checks the head counts
-        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cfg, dtype)
-        kv_spec = spec_for(config, kv_cfg, self.kv_bytes_per_token, self.max_model_len, _kv_budget(config), dtype,
-                           device)
-        self.kv_dtype = kv_spec.kv_dtype if kv_spec.kv_dtype != "auto" else str(dtype).replace("torch.", "")
-        self.kv_manager, self.kv_cache = make_kv(kv_spec, alibi=getattr(self.loaded.model, "alibi", None),
-                                                 prompt_roles=ModelRunner.prompt_route_for(self.loaded.model))
-        m = self.kv_manager
-        log.info("KV cache: %s, %s, %s (%s per token, %d %ss of %d tokens, token capacity %d)", m.kind,
-                 self.kv_dtype, format_bytes(self.kv_cache.nbytes), format_bytes(self.kv_bytes_per_token),
-                 m.num_units, m.unit_name, m.unit_tokens, m.token_capacity)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.enable_chunked_prefill), self.kv_manager)
-        self.processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.scheduler)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.kv_manager, device)
-        else:  # last, so that nothing above can fail with workers started; they build the cache from kv_spec
-            from kvinfer.parallel import TensorParallel
-
-            self.tp = TensorParallel.start(config, self.loaded)
-            self.runner = self.tp.make_runner(self.loaded.model, self.kv_cache, self.kv_manager, device, kv_spec)
-        # Tiers below the pool (RAM, disk, Redis) where the flags ask for them: kv/tier_io.py, docs/kv_tiers.md
-        self.kv_tiers = make_tiers(config, self.loaded, self.kv_cache, self.kv_manager, self.runner.prompt_route,
-                                   self.tp is None)
+        parts = build(config, loaded)  # engine/startup.py: the checks, then every part
+        for f in dataclasses.fields(parts):  # engine.kv_manager, engine.scheduler, engine.runner, ...
+            setattr(self, f.name, getattr(parts, f.name))
         self.sampler = Sampler()
-        self._rng = torch.Generator().manual_seed(config.seed)
+        self._rng = torch.Generator().manual_seed(self.config.seed)
         self.groups: dict[str, _Group] = {}
         self._pending_forks: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.stats = dict(steps=0, prompt_tokens=0, generation_tokens=0, peak_blocks=0, util_stored=0, util_capacity=0,
                           spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
-        self.speculator = self._build_speculator() if config.speculative else None
-
-    def _build_speculator(self):
-        from kvinfer.spec.speculator import Speculator, default_tokens
-
-        c = self.config
-        draft = None
-        if c.speculative == "draft":
-            from kvinfer.spec.draft import DraftProposer
-
-            dcfg = c.replace(model=c.speculative_model, tokenizer=None, speculative=None, speculative_model=None,
-                             load_format="dummy" if c.load_format == "dummy" else "auto")
-            dl = load_model(dcfg, max(self.max_model_len, 1))
-            if dl.config.vocab_size != self.model_config.vocab_size:
-                raise ValidationError("speculative_model", c.speculative_model,
-                                      f"has a vocabulary of {dl.config.vocab_size} tokens; the target has "
-                                      f"{self.model_config.vocab_size} (the draft needs the same tokenizer)")
-            # As many tokens of draft KV as the target's cache holds, so the draft never runs out first.
-            tokens = max(self.kv_manager.token_capacity, self.max_model_len)
-            draft = DraftProposer(dl, -(-tokens // c.block_size) + 1, c.block_size)
-            log.info("draft model %s: KV cache %s", c.speculative_model, format_bytes(draft.cache.nbytes))
-        k = c.num_speculative_tokens or default_tokens(c.speculative, self.loaded.device)
-        return Speculator(c.speculative, k, c.ngram_min, c.ngram_max, draft)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """Most new tokens a request with this prompt could ever get (context window and KV capacity)."""
@@ -308,24 +110,31 @@ class LLMEngine:
         return self.sampler.grammars.matcher(spec)
 
     def abort(self, request_id: str) -> bool:
-        """Finish whatever still runs of a request (its KV freed) and forget it; False if it is unknown."""
+        """Cancel a request (the caller's or the server's act): whatever still runs of it finishes as "abort" (its
+        KV freed), its outputs are dropped, and it is forgotten; False if it is unknown."""
         self.output_processor.abort(request_id)
+        return self._forget(request_id, "abort")
+
+    def retire(self, request_id: str) -> bool:
+        """Forget a request that finished normally, once its output processing is done with it. The core never
+        does so by itself: a stop string found after the core finished the request (by length or a stop token)
+        still has its group here to correct the counts against (`stop_sample`). Its KV blocks went already, at
+        `scheduler.finish`; False if it is unknown."""
+        return self._forget(request_id, "stop")
+
+    def _forget(self, request_id: str, reason: str) -> bool:
+        """Drop a request's group, finishing with `reason` any sample still running or waiting (none, for a
+        retired request: the reason only keeps a broken caller from leaking KV)."""
         g = self.groups.pop(request_id, None)
         if g is None:
             return False
         for r in g.reqs:
             self._pending_forks.pop(r.request_id, None)
             if not r.is_finished:
-                self.scheduler.finish(r, "abort")
+                self.scheduler.finish(r, reason)
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)
         return True
-
-    def retire(self, request_id: str) -> bool:
-        """Forget a request whose output processing has finished it. The core never does so by itself: a stop
-        string found after the core finished the request (by length or a stop token) still has its group here
-        to correct the counts against (`stop_sample`). Its KV blocks went already, at `scheduler.finish`."""
-        return self.abort(request_id)  # every sample is finished by now; abort only forgets
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet retired (offline: `step` retires a request with its final output)."""
@@ -376,52 +185,59 @@ class LLMEngine:
         return outs
 
     def _step_core(self) -> list[CoreOutput]:
+        """One step, one path: the scheduler plans (a planned step, or several fused decode steps), the runner
+        executes the plan, and its tokens are appended here."""
         t0, generated = time.perf_counter(), self.stats["generation_tokens"]
         spec = self.speculator is not None
         if spec:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
-        # Decode with nothing for the sampler to change but temperature and the top-k/top-p/min-p filters runs
-        # fused in one C call (the same bits, less Python): up to --num-scheduler-steps steps; with speculation
-        # on, one step in which no request proposed (proposals may resume the next). Without it a lone step goes
-        # the general way below.
-        n = self._fused_steps(1 if spec else self.config.num_scheduler_steps)
-        if n > (0 if spec else 1):
-            running = len(self.scheduler.running)
-            outs = self._step_fused(n)
+        sched = self.scheduler.schedule(self._multi_step(spec))
+        touched: dict[str, None] = {}
+        if sched.decode_steps:
+            self._append_decode_steps(sched, self.runner.execute(sched), touched)
             if self.kv_tiers is not None:  # the blocks just computed go to the persistent tiers
                 self.kv_manager.after_step()
-            if outs is not None:
-                if spec:
-                    self._after_speculator_step(t0, generated, False, running)
-                return outs
-        sched = self.scheduler.schedule()
-        self.stats["steps"] += 1
-        touched: dict[str, None] = {}
-        if sched.scheduled:
-            t_run = time.perf_counter()
-            logits, sampled = self.runner.execute(sched)
-            self.scheduler.update_after_step(sched)
-            if self.kv_tiers is not None:  # what recomputing costs, against which a slow tier is passed by
-                self.kv_tiers.note_compute(time.perf_counter() - t_run, sched.num_batched_tokens)
-                self.kv_manager.after_step()
-            m = self.kv_manager
-            if m.keeps_kv:
-                used = m.num_units - m.num_free_units
-                self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-                # KV utilisation: tokens held in the cache over the capacity of the units (blocks, slots) allocated.
-                self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
-                self.stats["util_capacity"] += used * m.unit_tokens
-            for s in sched.scheduled:
-                if s.start < s.request.num_prompt_tokens:
-                    self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
-            if sampled:
-                forked = self._fork_siblings(sampled)  # a stage of its own, before any sampling
-                self._sample_and_update(logits, sampled, forked, touched)
-            if spec:
-                self._after_speculator_step(t0, generated, any(s.spec_token_ids for s in sched.scheduled),
-                                            len(sched.scheduled),
-                                            all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled))
+        else:
+            self.stats["steps"] += 1
+            if sched.scheduled:
+                self._run_planned(sched, touched)
+        if spec and sched.scheduled:
+            self._after_speculator_step(t0, generated, any(s.spec_token_ids for s in sched.scheduled),
+                                        len(sched.scheduled),
+                                        all(s.num_new_tokens - len(s.spec_token_ids) == 1 for s in sched.scheduled))
         return self._outputs(touched)
+
+    def _multi_step(self, spec: bool) -> Optional[MultiStep]:
+        """The fused decode steps this engine offers the scheduler for the next step: up to --num-scheduler-steps
+        where the runner has a fused call (the same bits, less Python); with speculation on, one step in which no
+        request proposed (proposals may resume the next); without it a lone step is planned. None while an n > 1
+        request's siblings wait to be forked from its first sample."""
+        if self._pending_forks or self.runner.multi_step_decoder() is None:
+            return None
+        if spec:
+            return MultiStep(1, 1, not self.runner.prompt_route)
+        return MultiStep(self.config.num_scheduler_steps, 2, not self.runner.prompt_route)
+
+    def _run_planned(self, sched, touched) -> None:
+        t_run = time.perf_counter()
+        ran = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        if self.kv_tiers is not None:  # what recomputing costs, against which a slow tier is passed by
+            self.kv_tiers.note_compute(time.perf_counter() - t_run, sched.num_batched_tokens)
+            self.kv_manager.after_step()
+        m = self.kv_manager
+        if m.keeps_kv:
+            used = m.num_units - m.num_free_units
+            self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
+            # KV utilisation: tokens held in the cache over the capacity of the units (blocks, slots) allocated.
+            self.stats["util_stored"] += sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.stats["util_capacity"] += used * m.unit_tokens
+        for s in sched.scheduled:
+            if s.start < s.request.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(s.end, s.request.num_prompt_tokens) - s.start
+        if ran.sampled:
+            forked = self._fork_siblings(ran.sampled)  # a stage of its own, before any sampling
+            self._sample_and_update(ran.logits, ran.sampled, forked, touched)
 
     def _after_speculator_step(self, t0: float, generated: int, speculated: bool, num_seqs: int,
                                decode_only: bool = True) -> None:
@@ -437,86 +253,26 @@ class LLMEngine:
         """The core outputs of the groups that got tokens this step (those still known)."""
         return [self._core_output(self.groups[gid]) for gid in touched if gid in self.groups]
 
-    # ---- several decode steps in one call (vLLM's multi-step scheduling) -------------------------------
-    def _fused_steps(self, most: int) -> int:
-        """How many decode steps, up to `most`, the next call may make fused in one C call (0: none). Only while
-        every running request decodes with nothing for the sampler to change but temperature and top-k/top-p/min-p
-        (no penalties, bias, grammar, banned stop tokens, proposed tokens) and no request waits for admission, so
-        none waits longer than one call. A sampled request draws there as the sampler draws (kvq_sample_row, the
-        same uniform numbers of its generator)."""
-        n = most
-        sch = self.scheduler
-        if n < 1 or sch.waiting or not sch.running or self._pending_forks:
-            return 0
-        for r in sch.running:
-            p = r.params
-            if (r.num_tokens - r.num_computed_tokens != 1 or not p.plain or r.grammar is not None
-                    or r.num_output_tokens < p.min_tokens or r.spec_token_ids
-                    or (self.runner.prompt_route and r.num_computed_tokens < r.num_prompt_tokens)):
-                return 0
-            n = min(n, p.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens)
-        if n < 1:
-            return 0
-        fused = self.runner._fused_decode()
-        return n if fused is not None and fused.steps_ok else 0
+    def _append_decode_steps(self, sched, ran, touched) -> None:
+        """A fused call's tokens, step by step through _append_token (so stop tokens, max_tokens and outputs are as
+        one step at a time), each with its logprobs from the same logits; then the scheduler settles the KV."""
+        from kvinfer.sampler import row_logprob
 
-    def _step_fused(self, n: int) -> Optional[list[CoreOutput]]:
-        """Up to n decode steps of every running request in one C call; None (nothing changed) if the KV pool
-        cannot hold n more tokens for each. Each step's arithmetic is a single step's (FusedDecode), its token the
-        sampler's (the argmax by numpy's rule, or kvq_sample_row with the next uniform number of the request's
-        generator: n are taken up front, and a generator is left as if only the steps done had drawn), its
-        logprobs computed from the same logits afterwards, and each token goes through _append_token in step
-        order, so stop tokens, max_tokens and outputs are as step by step."""
-        from kvinfer.sampler import row_logprob, row_params, uniform
-
-        sch, m = self.scheduler, self.kv_manager
-        reqs = list(sch.running)
-        for i, r in enumerate(reqs):  # slots for positions num_computed .. num_computed + n - 1
-            if not m.allocate_slots(r, n):
-                for q in reqs[:i]:
-                    m.trim(q, q.num_computed_tokens)
-                return None
-        self.kv_cache.copy_blocks(m.take_copies())  # a fork sibling's shared last block, copied before writing
-        stop_ids = set(self._eos_ids())
-        for r in reqs:
-            stop_ids.update(r.params.stop_token_ids)
-        sampling = uniforms = None
-        drawn = [r for r in reqs if not r.params.greedy]
-        if drawn:
-            sampling = row_params([r.params for r in reqs])
-            uniforms = torch.zeros((n, len(reqs)), dtype=torch.float64)
-            states = {}
-            for b, r in enumerate(reqs):
-                if not r.params.greedy:
-                    states[b] = r.generator.get_state()
-                    uniforms[:, b] = uniform(r.generator, n)
-        tokens, logits = self.runner._fused_decode().decode_steps(
-            [r.token_at(r.num_tokens - 1) for r in reqs], [m.get_block_table(r) for r in reqs],
-            [r.num_tokens for r in reqs], n, sorted(stop_ids), sampling, uniforms)
-        steps = tokens.shape[0]
-        if drawn and steps < n:  # the generators as if only the steps done had drawn
-            for b, state in states.items():
-                reqs[b].generator.set_state(state)
-                uniform(reqs[b].generator, steps)
+        steps = len(ran.tokens)
         self.stats["steps"] += steps
         now = time.perf_counter()
-        touched: dict[str, None] = {}
-        rows = tokens.tolist()
-        for s in range(steps):
+        reqs = [s.request for s in ran.sampled]
+        for st in range(steps):
             for b, r in enumerate(reqs):
                 if r.is_finished:
                     continue
-                tok = rows[s][b]
+                tok = ran.tokens[st][b]
                 k = r.params.logprobs
-                r.num_computed_tokens += 1
-                self._append_token(r, tok, row_logprob(logits[s, b], tok, k) if k is not None else None, now)
+                self._append_token(r, tok, row_logprob(ran.logits[st, b], tok, k) if k is not None else None, now)
                 touched[r.group_id] = None
-        for r in reqs:
-            if not r.is_finished:  # blocks of positions the call did not reach go back
-                sch.rollback(r, r.num_tokens - 1)
-        used = m.num_units - m.num_free_units
-        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        return self._outputs(touched)
+        self.scheduler.update_after_step(sched)
+        m = self.kv_manager
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], m.num_units - m.num_free_units)
 
     def _fork_siblings(self, sampled) -> dict[str, list[Request]]:
         """n>1: once a group's first sample has its prompt computed, its siblings share that KV and join the batch.
@@ -579,7 +335,7 @@ class LLMEngine:
             self._append_token(r, tok, lp, now)
             if r.is_finished:
                 return
-        self.scheduler.rollback(r, r.num_tokens - 1)
+        self.scheduler.settle(r)
 
     def _sample_row(self, r: Request, output_ids: Optional[list[int]] = None) -> SampleRow:
         """output_ids: the outputs as if proposed tokens were accepted (verification rows)."""
@@ -595,9 +351,7 @@ class LLMEngine:
         return SampleRow(p, r.prompt_token_ids, out, r.generator, banned, r.grammar)
 
     def _eos_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return tuple(self.model_config.eos_token_ids)
+        return eos_token_ids(self.tokenizer, self.model_config)
 
     def _append_token(self, r: Request, tok: int, lp, now: float) -> None:
         r.output_token_ids.append(tok)

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the decoder, returns logits for sampling."""
+"""ModelRunner: executes the scheduler's plan. A planned step becomes tensors, one decoder forward and the logits
+to sample; a plan of fused decode steps runs in one C call and returns its tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,6 +11,18 @@ from kvinfer.kv.interface import SeqSlice, decodes_first
 from kvinfer.layers.forward_context import ForwardContext, set_forward_context
 from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on
 from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """What the model made of one step's plan. A planned step: logits [rows, vocab] float32 of the rows to sample
+    (None if none), `sampled` the scheduled seqs they belong to, in order. Fused decode steps: `tokens`
+    [steps, seqs] of the steps the call made (it may stop before the plan's count), logits [steps, seqs, vocab],
+    `sampled` the seqs of the plan, in its order."""
+
+    logits: Optional[torch.Tensor]
+    sampled: list[ScheduledSeq]
+    tokens: Optional[list[list[int]]] = None
 
 
 @dataclass
@@ -38,12 +51,15 @@ class ModelRunner:
     use_fused_decode = True  # decode-only steps through FusedDecode where the model allows (tests compare both)
     computes_prompt_logprobs = True  # False for a draft model's runner (its requests are shadows)
 
-    def __init__(self, model, backend, manager, device):
+    def __init__(self, model, backend, manager, device, stop_token_ids=()):
         self.model = model
         self.backend = backend
         self.manager = manager
         self.device = device
-        self._fused = None  # FusedDecode, built on the first decode-only step
+        # The model's end-of-sequence ids: a fused call of several decode steps stops after a step that made one
+        # (or a request's own stop token).
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._fused = None  # FusedDecode, built on first use
         self._fused_checked = False
         self.prompt_route = self.prompt_route_for(model)
 
@@ -54,7 +70,7 @@ class ModelRunner:
         on what shares its steps. The engine asks before building the KV manager, whose prefix-cache hashes must
         then say how many of a block's tokens are prompt tokens."""
         return model is not None and prompt_route_on() and any(
-            isinstance(m, QuantLinear) and m.uses_kernel() and m._tiles is not None for m in model.modules())
+            isinstance(m, QuantLinear) and m.prepare_kernel() and m._tiles is not None for m in model.modules())
 
     def _fused_decode(self):
         if not self.use_fused_decode:
@@ -66,6 +82,12 @@ class ModelRunner:
             if unsupported_reason(self.model, self.backend) is None:
                 self._fused = FusedDecode(self.model, self.backend)
         return self._fused
+
+    def multi_step_decoder(self):
+        """The FusedDecode that runs a plan of several decode steps in one C call (built on first use), or None
+        where the model, backend or this runner has none."""
+        fused = self._fused_decode()
+        return fused if fused is not None and fused.steps_ok else None
 
     def _rows(self, scheduled: list[ScheduledSeq]) -> list[tuple[SeqSlice, ScheduledSeq]]:
         """(the manager's view of what to compute, the scheduled seq it belongs to), laid out by `decodes_first`.
@@ -142,8 +164,10 @@ class ModelRunner:
             return self.model(input_ids, positions, md, self.backend), None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput):
-        """Returns (logits [rows, vocab] float32, the scheduled seqs those rows belong to, in order)."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the scheduler's plan: a planned step's logits to sample, or a fused call's tokens."""
+        if out.decode_steps:
+            return self._execute_decode_steps(out)
         p, sample_rows, sampled, prompt_reqs, pool = self.plan(out)
         # Every row sampled (decode steps, verifications): a fused step may apply the final norm and head too.
         every_row = (self.use_fused_decode and len(sample_rows) == len(p.input_ids) > 0
@@ -156,8 +180,41 @@ class ModelRunner:
         for req, a, b in pool:
             _pool(req, hidden[a:b])
         if not sample_rows:
-            return None, []
-        return logits, sampled
+            return RunnerOutput(None, [])
+        return RunnerOutput(logits, sampled)
+
+    def _execute_decode_steps(self, out: SchedulerOutput) -> RunnerOutput:
+        """Up to out.decode_steps decode steps of every scheduled request in one C call. Each step's arithmetic is
+        a single step's (FusedDecode), its token the sampler's: the argmax by numpy's rule, or kvq_sample_row with
+        the next uniform number of the request's generator (n are taken up front, and a generator is left as if
+        only the steps done had drawn). The call stops after a step that made a stop token."""
+        from kvinfer.sampler import row_params, uniform
+
+        self.backend.copy_blocks(out.block_copies)
+        seqs = out.scheduled
+        reqs = [s.request for s in seqs]
+        n = out.decode_steps
+        stop_ids = set(self.stop_token_ids)
+        for r in reqs:
+            stop_ids.update(r.params.stop_token_ids)
+        sampling = uniforms = None
+        states = {}
+        if any(not r.params.greedy for r in reqs):
+            sampling = row_params([r.params for r in reqs])
+            uniforms = torch.zeros((n, len(reqs)), dtype=torch.float64)
+            for b, r in enumerate(reqs):
+                if not r.params.greedy:
+                    states[b] = r.generator.get_state()
+                    uniforms[:, b] = uniform(r.generator, n)
+        tokens, logits = self.multi_step_decoder().decode_steps(
+            [r.token_at(r.num_tokens - 1) for r in reqs], [self.manager.get_block_table(r) for r in reqs],
+            [r.num_tokens for r in reqs], n, sorted(stop_ids), sampling, uniforms)
+        steps = tokens.shape[0]
+        if steps < n:  # the generators as if only the steps done had drawn
+            for b, state in states.items():
+                reqs[b].generator.set_state(state)
+                uniform(reqs[b].generator, steps)
+        return RunnerOutput(logits, list(seqs), tokens.tolist())
 
     def _prompt_logprobs(self, hidden: torch.Tensor, p: StepPlan, reqs: list) -> None:
         """Append to each request's prompt_logprobs (logprob, top-k pairs, rank) of the prompt token after each of

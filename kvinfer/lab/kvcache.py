@@ -130,8 +130,8 @@ def run_backend(loaded, base: EngineConfig, backend: str, prompt_ids: Sequence[i
     used_blocks = [0]
     orig_schedule = engine.scheduler.schedule
 
-    def schedule():
-        out = orig_schedule()
+    def schedule(*args):
+        out = orig_schedule(*args)
         m = engine.kv_manager
         used_blocks[0] = m.num_units - m.num_free_units  # what this step's request holds
         return out

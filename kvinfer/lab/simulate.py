@@ -270,8 +270,8 @@ class StepRecorder:
         orig_schedule, orig_step = sched.schedule, eng.step
         captured: list[SchedulerOutput] = []
 
-        def schedule():
-            out = orig_schedule()
+        def schedule(*args):
+            out = orig_schedule(*args)
             captured.append(out)
             return out
 
@@ -286,7 +286,7 @@ class StepRecorder:
             steps = eng.stats["steps"] - steps0
             if steps < 1 or (captured and captured[0].is_empty):
                 return outs
-            if captured:
+            if captured and not captured[0].decode_steps:
                 _, n, dec, c = CostModel.features(captured[0])
                 self.samples.append(dict(kind="planned", seconds=dt, steps=1, num_batched_tokens=n,
                                          num_decode_seqs=dec, sum_context_tokens=c))
@@ -356,12 +356,12 @@ def calibrate(engine, progress: Optional[Callable[[str], None]] = None, clock: s
 
     def step(plain: bool) -> None:
         if plain:  # through the scheduler: the step the engine takes when a call cannot be fused
-            engine._fused_steps = lambda most: 0
+            engine._multi_step = lambda spec: None
         try:
             engine.step()
         finally:
             if plain:
-                del engine._fused_steps
+                del engine._multi_step
 
     def run(batch: int, shared: int, own: int, out_tokens: int) -> None:
         batch = min(batch, cfg.max_num_seqs, 32 if cfg.enable_prefix_caching or not shared else 4)
@@ -565,8 +565,8 @@ def _build_manager(cfg: SimConfig, mc: ModelConfig, max_len: int):
 
 
 def _fused_call_steps(sched: Scheduler, manager, most: int, max_len: int) -> int:
-    """How many decode steps the engine would make in its next fused call (LLMEngine._fused_steps and
-    _step_fused's slot reservation): while no request waits and every running one decodes, up to `most`, no more than
+    """How many decode steps the engine would make in its next fused call (Scheduler._decode_steps and
+    _schedule_decode_steps's slot reservation): while no request waits and every running one decodes, up to `most`, no more than
     any request still may make; 0 (a planned step) if that is under 2 or the pool cannot hold as many more tokens
     for each."""
     if most < 2 or sched.waiting or not sched.running:

@@ -124,7 +124,7 @@ def _linear_into(lin: nn.Module, x: torch.Tensor, out: torch.Tensor, batch_invar
         if not (batch_invariant or len(x) <= lin.kernel_max_rows):
             return False
         kern = lin._kernel if lin._kernel is not None or lin._kernel_checked else None
-        if kern is None and not lin._kernel_checked and lin.uses_kernel():
+        if kern is None and not lin._kernel_checked and lin.prepare_kernel():
             kern = lin._kernel
     elif isinstance(lin, KernelLinear):
         if not (batch_invariant and lin._kernel_checked):

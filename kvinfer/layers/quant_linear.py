@@ -144,9 +144,10 @@ class QuantLinear(nn.Module):
                 self._weight = w
         return w
 
-    def uses_kernel(self, drop_source: bool = False) -> bool:
-        """Whether float32 CPU batches go to the quantised kernel. drop_source: where the kernels keep a copy that
-        holds every byte of the weight, the GGML rows' pages are given back (source() restores them)."""
+    def prepare_kernel(self, drop_source: bool = False) -> bool:
+        """Build the quantised kernel (and the kept tile copy) on the first call; returns whether float32 CPU
+        batches go to it. drop_source: where the kernels keep a copy that holds every byte of the weight, the GGML
+        rows' pages are given back (source() restores them)."""
         if not self._kernel_checked:
             if self._qt is not None and kernels.available() and self.raw.is_cpu:
                 self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
@@ -168,7 +169,7 @@ class QuantLinear(nn.Module):
         lim = None if kernels.batch_invariant() else self.kernel_max_rows
         # The kernel has no backward: inputs that need gradients take the torch route.
         if ((lim is None or t <= lim) and x2.dtype == torch.float32 and x2.is_cpu and x2.shape[1] == k
-                and not x2.requires_grad and (self._kernel is not None or self.uses_kernel())):
+                and not x2.requires_grad and (self._kernel is not None or self.prepare_kernel())):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty((t, n), dtype=torch.float32)

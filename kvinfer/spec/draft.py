@@ -83,7 +83,8 @@ class DraftProposer:
                 going.append((r, k, sh))
             if not going:
                 break
-            logits, sampled = self.runner.execute(sched)
+            ran = self.runner.execute(sched)
+            logits, sampled = ran.logits, ran.sampled
             for s in sched.scheduled:
                 s.request.num_computed_tokens = s.end
             row_of = {id(s.request): i for i, s in enumerate(sampled)}  # the runner reorders sequences
