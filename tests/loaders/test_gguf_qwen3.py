@@ -24,7 +24,7 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im
 
 
 def _make_gguf_module():
-    script = Path(__file__).resolve().parents[1] / "scripts/make_gguf.py"
+    script = Path(__file__).resolve().parents[2] / "scripts/make_gguf.py"
     spec = importlib.util.spec_from_file_location("make_gguf", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

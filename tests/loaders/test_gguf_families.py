@@ -29,7 +29,7 @@ from tests.reference_helpers import hf_greedy, hf_logits, prompts, save_tiny, st
 # llama.cpp's converter, from the llama-cpp-python sdist (or a path to convert_hf_to_gguf.py itself).
 # `make test` fetches it (scripts/fetch_llama_sdist.py) into .venv/sdist.
 SDIST = Path(os.environ.get("KVINFER_LLAMA_SDIST",
-                            Path(__file__).resolve().parents[1] / ".venv/sdist/llama_cpp_python-0.3.36.tar.gz"))
+                            Path(__file__).resolve().parents[2] / ".venv/sdist/llama_cpp_python-0.3.36.tar.gz"))
 CONVERTER = os.environ.get("KVINFER_CONVERT_HF_TO_GGUF")
 # The converter hashes the tokenizer's pre-tokenizer; the built-in model's (SmolLM2's) is one it knows.
 VOCAB = 49152

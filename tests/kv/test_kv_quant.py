@@ -303,7 +303,7 @@ def test_fidelity_against_the_float32_cache(engines):
     ids = [base.tokenizer.encode(p) for p in PROMPTS]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
     ref = base.generate(ids, sp, use_tqdm=False)
-    text = (Path(__file__).parent / "data" / "fidelity.txt").read_text()
+    text = (Path(__file__).resolve().parents[1] / "data" / "fidelity.txt").read_text()
     tids = base.tokenizer.encode(text)
     p_ref = _perplexity(base, tids)
     # The reference continuations fed back (teacher forcing): at each of the 20 x 64 positions, does the 8-bit

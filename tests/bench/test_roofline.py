@@ -47,7 +47,7 @@ def test_bench_decode_reports_each_engine_against_the_roofline(tmp_path, capsys,
     from pathlib import Path
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[2] / "scripts/make_gguf.py")
     make_gguf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_gguf)
     path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
@@ -75,7 +75,7 @@ def test_moe_bytes_count_the_experts_a_token_uses(tmp_path):
     from kvinfer.loaders.dequant import nbytes_for
     from kvinfer.loaders.gguf_loader import _File
 
-    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).resolve().parents[2] / "scripts/make_gguf.py")
     mg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mg)
     path = mg.make(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q8_0")

@@ -13,7 +13,7 @@ from kvinfer.kv.interface import KVManager, SeqSlice, decodes_first, is_decode, 
 from kvinfer.request import Request
 from kvinfer.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
+ROOT = Path(__file__).resolve().parents[2] / "kvinfer"
 BACKENDS = ("paged", "contiguous", "none")
 
 

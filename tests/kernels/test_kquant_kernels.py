@@ -16,7 +16,7 @@ KEPT_AT = {"avx2": KTYPES + ("Q3_K",), "avx512": KTYPES + ("Q3_K", "IQ4_XS")}  #
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
-# Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/test_matmul_kernel.py).
+# Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/kernels/test_matmul_kernel.py).
 TOL_I16 = 2e-4
 
 

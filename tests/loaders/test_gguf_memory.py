@@ -17,7 +17,7 @@ from kvinfer.loaders.model_loader import load_model
 from tests.reference_helpers import step_logits
 
 _spec = importlib.util.spec_from_file_location("make_gguf",
-                                               Path(__file__).resolve().parents[1] / "scripts/make_gguf.py")
+                                               Path(__file__).resolve().parents[2] / "scripts/make_gguf.py")
 make_gguf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_gguf)
 
