@@ -54,6 +54,7 @@ const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t l
 
 #ifdef KVQ_HAVE_AMX
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
+    if (!kvq_type_kept(qt)) return 0;
     if (kq_is_kquant(qt)) return kvq_kq_kept_bytes(N, K, qt);
     if (!block_bytes(qt) || K <= 0 || K % QK || N <= 0) return 0;
     return (N + KEPT_COLS - 1) / KEPT_COLS * kept_group_bytes(K / QK, qt);
@@ -141,7 +142,7 @@ int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64
 
 /* Below the avx512 level only the K-quants have a kept layout (kquants_kept.c; none at the generic level). */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
-    return kq_is_kquant(qt) ? kvq_kq_kept_bytes(N, K, qt) : 0;
+    return kvq_type_kept(qt) ? kvq_kq_kept_bytes(N, K, qt) : 0;
 }
 
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {

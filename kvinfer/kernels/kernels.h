@@ -162,5 +162,8 @@ int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, in
                    float *out);
 
 int kvq_level(void);
+/* Type qt's elements and bytes per block (either pointer may be NULL): returns 1 when this level keeps a copy of
+ * a weight of that type (kvq_amx_tiles_pack), 0 when not, KVQ_EBADTYPE for a type the kernels do not take. */
+int kvq_type_traits(int qt, int64_t *block_elems, int64_t *block_bytes);
 int kvq_max_threads(void);
 #endif

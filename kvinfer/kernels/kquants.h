@@ -3,10 +3,10 @@
  * layout, which both files read. */
 #ifndef KVINFER_KQUANTS_H
 #define KVINFER_KQUANTS_H
-#include "ggml_blocks.h"
 #include "internal.h"
 #include "kernels.h"
 #include "simd.h"
+#include "types.h"
 
 #include <stdlib.h>
 #include <string.h>

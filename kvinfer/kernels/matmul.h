@@ -3,10 +3,10 @@
  * visibility (kvqi_ names): the library's ABI stays kernels.h. */
 #ifndef KVINFER_MATMUL_H
 #define KVINFER_MATMUL_H
-#include "ggml_blocks.h"
 #include "internal.h"
 #include "kernels.h"
 #include "simd.h"
+#include "types.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -41,16 +41,9 @@
 #define QNG NG
 #endif
 
-static inline int block_bytes(int qt) {
-    switch (qt) {
-    case QT_Q4_0: return 18;
-    case QT_Q4_1: return 20;
-    case QT_Q8_0: return 34;
-    default: return 0;
-    }
-}
-
-static inline int elem_bytes(int qt) { return qt == QT_F32 ? 4 : (qt == QT_F16 || qt == QT_BF16) ? 2 : 0; }
+/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q8_0), per element of a float type; 0 for any other type. */
+static inline int block_bytes(int qt) { return kvq_type_bytes(qt, QK); }
+static inline int elem_bytes(int qt) { return kvq_type_bytes(qt, 1); }
 
 static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return ((const float *)row)[k];
