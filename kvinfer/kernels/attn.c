@@ -22,18 +22,30 @@
 #include "attn.h"
 
 
-/* s[i] = exp(s[i] - mx) for i < n; returns their sum (8-lane partial sums, then the tail in order). */
-float kvq_exp_shift_sum(float *s, int64_t n, float mx) {
+/* kvq_exp_shift_sum's first elements, per level: at the AVX-512 level exp 16 lanes at a time (the same
+ * operations), added 8 lanes at a time in order; returns how many it did. */
+#if KVQ_LEVEL >= 2
+static inline int64_t exp_shift_wide(float *s, int64_t n, float mx, vf *acc) {
     int64_t i = 0;
-    vf m = vf_set1(mx), acc = vf_zero();
-#if KVQ_LEVEL >= 2 /* exp 16 lanes at a time (the same operations), added 8 lanes at a time in order */
     for (; i + 16 <= n; i += 16) {
         const __m512 e = v16_exp(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(mx)));
         _mm512_storeu_ps(s + i, e);
-        acc = vf_add(acc, _mm512_castps512_ps256(e));
-        acc = vf_add(acc, _mm512_extractf32x8_ps(e, 1));
+        *acc = vf_add(*acc, _mm512_castps512_ps256(e));
+        *acc = vf_add(*acc, _mm512_extractf32x8_ps(e, 1));
     }
+    return i;
+}
+#else
+static inline int64_t exp_shift_wide(float *s, int64_t n, float mx, vf *acc) {
+    (void)s, (void)n, (void)mx, (void)acc;
+    return 0;
+}
 #endif
+
+/* s[i] = exp(s[i] - mx) for i < n; returns their sum (8-lane partial sums, then the tail in order). */
+float kvq_exp_shift_sum(float *s, int64_t n, float mx) {
+    vf m = vf_set1(mx), acc = vf_zero();
+    int64_t i = exp_shift_wide(s, n, mx, &acc);
     for (; i + 8 <= n; i += 8) {
         vf e = vf_exp(vf_sub(vf_load(s + i), m));
         vf_store(s + i, e);

@@ -1,5 +1,5 @@
 /* Matmul and embedding rows over GGML K-quant super-blocks (Q4_K, Q5_K, Q6_K, and IQ4_XS, which has their shape;
- * layouts in ggml_blocks.h), read as stored. kvq_matmul / kvq_embed_rows (qmatmul.c) hand these types here.
+ * layouts in ggml_blocks.h), read as stored. kvq_matmul / kvq_embed_rows (matmul.c) hand these types here.
  *
  * The activations are rounded as for the 32-weight types (qmatmul.c's quantize_rows: int16 per block of 32, scale
  * dx, exact float sum sx), so a sub-block's dot product with its quants is an exact int32 D_j. The arithmetic of
@@ -291,10 +291,53 @@ static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]
 #endif
 
 
+/* Super-block s of the group of KG columns at n (rows: their GGUF rows) as int16 quants q [KG * 256] and exact
+ * float scales ds, dm [sub-block][column], one definition per level. */
+#if KVQ_LEVEL == 1
+static inline __attribute__((always_inline)) void kq_super_block(const struct kq_job *j, const uint8_t *const *rows,
+                                                                 int64_t n, int64_t s, const int qt, int16_t *q,
+                                                                 float ds[][KG], float dm[][KG]) {
+    const int bb = kq_block_bytes(qt);
+    const int64_t nsb = j->K / QK_K;
+    if (j->kept) {
+        const uint8_t *sb = j->kept + (n / KG * nsb + s) * kc_sb_bytes(qt);
+        uint8_t scratch[KG * 210];
+        kc_gguf8(sb, qt, scratch);
+        for (int u = 0; u < KG; u++) kq_unpack_q(scratch + u * bb, qt, q + u * QK_K);
+        kc_scales8(sb, qt, ds, dm);
+    } else {
+        for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
+        kq_scales8(rows, s * bb, qt, ds, dm);
+    }
+}
+#elif KVQ_LEVEL >= 2
+static inline __attribute__((always_inline)) void kq_super_block(const struct kq_job *j, const uint8_t *const *rows,
+                                                                 int64_t n, int64_t s, const int qt, int16_t *q,
+                                                                 float ds[][KG], float dm[][KG]) {
+    const int bb = kq_block_bytes(qt);
+    (void)j, (void)n;
+    for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
+    kq_scales8(rows, s * bb, qt, ds, dm);
+}
+#else
+static inline __attribute__((always_inline)) void kq_super_block(const struct kq_job *j, const uint8_t *const *rows,
+                                                                 int64_t n, int64_t s, const int qt, int16_t *q,
+                                                                 float ds[][KG], float dm[][KG]) {
+    const int bb = kq_block_bytes(qt);
+    (void)j, (void)n;
+    for (int u = 0; u < KG; u++) {
+        float dsu[16], dmu[16];
+        kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
+        for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) ds[t][u] = dsu[t];
+        if (kq_has_min(qt))
+            for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) dm[t][u] = dmu[t];
+    }
+}
+#endif
+
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
 static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j, int64_t n0, int64_t n1,
                                                            float *acc, int16_t *q, const int qt) {
-    const int bb = kq_block_bytes(qt);
     const int64_t nsb = j->K / QK_K, nb = j->K / 32, M = j->M;
     for (int64_t n = n0; n < n1; n += KG) {
         const int g = n1 - n < KG ? (int)(n1 - n) : KG;
@@ -303,29 +346,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
         for (int64_t s = 0; s < nsb; s++) {
             float ds[16][KG], dm[16][KG];
-#if KVQ_LEVEL == 1
-            if (j->kept) {
-                const uint8_t *sb = j->kept + (n / KG * nsb + s) * kc_sb_bytes(qt);
-                uint8_t scratch[KG * 210];
-                kc_gguf8(sb, qt, scratch);
-                for (int u = 0; u < KG; u++) kq_unpack_q(scratch + u * bb, qt, q + u * QK_K);
-                kc_scales8(sb, qt, ds, dm);
-            } else {
-                for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
-                kq_scales8(rows, s * bb, qt, ds, dm);
-            }
-#elif KVQ_LEVEL >= 2
-            for (int u = 0; u < KG; u++) kq_unpack_q(rows[u] + s * bb, qt, q + u * QK_K);
-            kq_scales8(rows, s * bb, qt, ds, dm);
-#else
-            for (int u = 0; u < KG; u++) {
-                float dsu[16], dmu[16];
-                kq_unpack(rows[u] + s * bb, qt, q + u * QK_K, dsu, dmu);
-                for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) ds[t][u] = dsu[t];
-                if (kq_has_min(qt))
-                    for (int t = 0; t < (kq_sub16(qt) ? 16 : 8); t++) dm[t][u] = dmu[t];
-            }
-#endif
+            kq_super_block(j, rows, n, s, qt, q, ds, dm);
             for (int64_t r = 0; r < M; r++) {
                 const int16_t *xr = j->xq + r * j->K + s * QK_K;
                 const float *dxr = j->dx + r * nb + s * 8, *sxr = j->sx + r * nb + s * 8;
@@ -407,16 +428,13 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
-#if KVQ_LEVEL >= 1
-    const uint8_t *kept = kvq_kept_lookup(w, N, K, ldw, qt);
-#if KVQ_LEVEL == 1
+    const uint8_t *kept = KC_OWN_ROWS >= 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
     /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
      * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
-    if (kept && M > KC_ROUTE_ROWS) {
+    if (kept && M > KC_OWN_ROWS) {
         j.kept = kept;
         kept = NULL;
     }
-#endif
     if (kept) {
         xu = (uint8_t *)malloc((size_t)(M * K * 2));
         if (!xu) {
@@ -426,14 +444,12 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         kvq_split_bytes(xq, M, K, xu);
         cols = KC;
     }
-#endif
     const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + cols - 1) / cols;
     if ((int64_t)nt > work / KQ_MIN_BYTES_PER_THREAD) nt = (int)(work / KQ_MIN_BYTES_PER_THREAD);
     if (nt > groups) nt = (int)groups;
     if (nt < 1) nt = 1;
     int rc = KVQ_OK;
     if (xu) {
-#if KVQ_LEVEL >= 1
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
             int tid = 0, nth = 1;
@@ -444,7 +460,6 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             const int64_t e = groups * (tid + 1) / nth * KC;
             kvqi_kc_cols(&j, xu, kept, groups * tid / nth * KC, e < N ? e : N); /* whole groups each */
         }
-#endif
     } else if (nt == 1) {
         rc = kq_run(&j, 0, N);
     } else {

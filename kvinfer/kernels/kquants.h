@@ -73,9 +73,7 @@ static inline int kc_sb_bytes(int qt) {
     case QT_Q5_K: return kc_so(qt) + 20 * KC;
     case QT_Q6_K: return (210 * KC + 63) / 64 * 64;
     case QT_Q3_K: return (114 * KC + 63) / 64 * 64;
-#if KVQ_LEVEL >= 2
-    case QT_IQ4_XS: return (138 * KC + 63) / 64 * 64;
-#endif
+    case QT_IQ4_XS: return kvq_type_kept(qt) ? (138 * KC + 63) / 64 * 64 : 0;
     default: return 0;
     }
 }
@@ -86,7 +84,21 @@ static inline int kc_sb_bytes(int qt) {
 #define KI_LS (32 * KC_R)         /* IQ4_XS: ls_j - 32 */
 #define KI_D (32 * KC_R + 8 * KC) /* IQ4_XS: d */
 
-/* The kept copy's route over output columns n0..n1 (whole groups of KC), every row (kquants_kept.c). */
-KVQ_HIDDEN void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1);
 #endif
+
+/* This level's kept-copy routes, in one place: up to KC_OWN_ROWS rows the copy's own route (kvqi_kc_cols, byte
+ * products) runs; above them (avx2) kq_cols reads the copy as it reads GGUF rows. The generic level keeps no copy
+ * (KC_OWN_ROWS < 0: none is looked up). */
+#if KVQ_LEVEL >= 2
+#define KC_OWN_ROWS INT64_MAX
+#elif KVQ_LEVEL == 1
+#define KC_OWN_ROWS KC_ROUTE_ROWS
+#else
+#define KC KG
+#define KC_OWN_ROWS (-1)
+#endif
+
+/* The kept copy's route over output columns n0..n1 (whole groups of KC), every row (kquants_kept.c; never called at
+ * the generic level). */
+KVQ_HIDDEN void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1);
 #endif

@@ -376,6 +376,10 @@ void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept
     }
 }
 #else
+void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
+    (void)j, (void)xu, (void)kept, (void)n0, (void)n1;
+}
+
 int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                      int64_t ldo) {
     (void)kept, (void)N, (void)K, (void)qt, (void)ids, (void)n, (void)out, (void)ldo;

@@ -39,6 +39,20 @@ int kvq_max_threads(void) {
 
 int kvq_level(void) { return KVQ_LEVEL; }
 
+/* This level's quantised routes beside the vector tiles, chosen here once: a build with the AMX flags has the int8
+ * tiles (from kvq_amx_min_rows() rows, while kvq_amx_enable grants them) and reads kept copies (kvqi_kepts below
+ * the tiles); other builds neither. */
+static const struct {
+    int kept;
+    int (*amx)(const struct job *j, int16_t *xq, float *dx, float *sx, int nt, const uint8_t *kept);
+} ROUTE = {
+#ifdef KVQ_HAVE_AMX
+    1, kvqi_amx_matmul
+#else
+    0, NULL
+#endif
+};
+
 /* Returns 0, or a negative KVQ_E* code (y untouched). nthreads <= 0: OpenMP's default. Threads split the
  * output columns, never K, so the thread count cannot change a result. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
@@ -67,10 +81,9 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     uint8_t *xu = NULL;
-#ifdef KVQ_HAVE_AMX
-    const uint8_t *kept = bb ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
-    if (bb && kvqi_amx_on && M >= AMX_MIN_ROWS) { /* (it rounds x itself, on all its threads) */
-        const int rc = kvqi_amx_matmul(&j, xq, dx, sx, nt, kept);
+    const uint8_t *kept = bb && ROUTE.kept ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (bb && ROUTE.amx && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself, on all threads) */
+        const int rc = ROUTE.amx(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
         return rc;
     }
@@ -82,11 +95,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         }
         j.xu = xu, j.kept = kept;
     }
-#endif
     if (bb) kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
-#ifdef KVQ_HAVE_AMX
     if (xu) kvq_split_bytes(xq, M, K, xu);
-#endif
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
     if (nt > N) nt = (int)N;

@@ -101,7 +101,9 @@ static inline __attribute__((always_inline)) void dw_transpose16x4(const uint8_t
 #endif
 
 #ifdef KVQ_HAVE_AMX
-#define AMX_MIN_ROWS 24 /* see amx/qmatmul_int8.c */
+/* Rows from which the int8 tiles run. Tiles vs vectors, end to end: the vector route won up to 20 sequences, the
+ * tiles drew at 24 and won at 32 (docs/BENCHMARKS.md, "Figures behind code decisions"). */
+#define AMX_MIN_ROWS 24
 #define AMX_COLS 32 /* output columns per pass: two 16-column tiles */
 extern KVQ_HIDDEN int kvqi_amx_on; /* the int8 tiles are granted and in use (kvq_amx_enable) */
 KVQ_HIDDEN uint8_t *kvqi_amx_scratch(size_t n); /* a thread's tile operands, kept between calls */

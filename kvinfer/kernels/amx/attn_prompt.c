@@ -1,6 +1,6 @@
 /* ---- Prompt rows on AMX bfloat16 tiles (kvq_attention_prompt) ----
- * A prompt token's route is its role, as in the matmuls (amx/qmatmul_bf16.c, kvq_matmul_prompt): the runner sends the rows
- * of prompt tokens here and every other row to kvq_attention. Per (sequence, kv head) the keys and values of
+ * A prompt token's route is its role, as in the matmuls (qmatmul_bf16.c, kvq_matmul_prompt): the runner sends the rows of
+ * prompt tokens here and every other row to kvq_attention. Per (sequence, kv head) the keys and values of
  * positions [0, last query position] are rounded to bfloat16 (a bfloat16 cache's already are) and laid out once
  * per call as tile operands: keys as B tiles of S = Q K^T (16 positions, 32 dimensions each), values as B tiles of
  * O = P V (32 positions, 16 dimensions each). Then for a tile of up to 16 consecutive query tokens of a sequence

@@ -9,9 +9,7 @@
 #ifdef KVQ_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-/* Tiles vs vectors, end to end: the vector route won up to 20 sequences, the tiles drew at 24 and won at 32
- * (docs/BENCHMARKS.md, "Figures behind code decisions"). */
-/* (AMX_MIN_ROWS, 24, and AMX_COLS are in matmul.h: the driver and the kept layout use them too) */
+/* (AMX_MIN_ROWS and AMX_COLS are in matmul.h: the driver and the kept layout use them too) */
 
 int kvqi_amx_on;
 
