@@ -17,12 +17,11 @@ from typing import Optional
 from kvinfer.options import options
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / n for n in ("qmatmul.c", "kquants.c", "attn.c", "rowops.c", "sample.c", "decode_step.c")]
-HEADERS = [HERE / "kernels.h", HERE / "simd.h", HERE / "ggml_blocks.h"]
-# The table of struct layouts that tests check abi.py's mirrors against (one more source, kept apart from the
-# kernels' list).
-SOURCES.append(HERE / "abi.c")
 DISPATCH_SOURCE = HERE / "dispatch.c"
+# Every level's library: each concern's source (abi.c: the table of struct layouts tests check abi.py's mirrors
+# against), the AMX routes in amx/ (empty below the avx512 level); dispatch.c is built on its own, without arch flags.
+SOURCES = [p for p in sorted(HERE.glob("*.c")) + sorted(HERE.glob("amx/*.c")) if p != DISPATCH_SOURCE]
+HEADERS = sorted(HERE.glob("*.h")) + sorted(HERE.glob("amx/*.h"))
 CC = os.environ.get("CC") or "gcc"
 LEVELS = ("generic", "avx2", "avx512")
 _COMMON = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]

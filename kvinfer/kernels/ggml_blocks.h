@@ -1,5 +1,5 @@
-/* GGML block families the kernels read as stored: type ids (GGUF's), elements and bytes per block, in one place
- * for the C side (the Python side mirrors it in kernels/__init__.py's _BLOCKS, checked against kvq_block_info).
+/* GGML block families the kernels read as stored: the K-quants' type ids (GGUF's) and layouts. Elements and bytes
+ * per block of every type are types.h's table.
  *
  * K-quants group 256 weights in a super-block (little-endian fp16 fields):
  *   Q4_K (144 B): d dmin scales[12] qs[128]         8 sub-blocks of 32: w = (d * sc_j) * q - dmin * m_j, q 0..15
@@ -21,11 +21,6 @@
 #define QK_K 256
 enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
-/* The types of 256-weight super-blocks kquants.c reads (IQ4_XS is not a K-quant by name, but is one in shape). */
-static inline int kq_is_kquant(int qt) {
-    return qt == QT_Q2_K || qt == QT_Q3_K || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K || qt == QT_IQ4_XS;
-}
-
 /* Whether a type's super-block has 16 sub-blocks of 16 (Q6_K, Q3_K, Q2_K), and whether a minimum is subtracted
  * per sub-block (Q4_K, Q5_K, Q2_K). */
 static inline int kq_sub16(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K; }
@@ -46,18 +41,6 @@ static const int8_t KQ_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,
 static inline int kq_iq4xs_ls(const uint8_t *blk, int j) {
     const int h = blk[2] | (blk[3] << 8);
     return ((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4);
-}
-
-static inline int kq_block_bytes(int qt) {
-    switch (qt) {
-    case QT_Q2_K: return 84;
-    case QT_Q3_K: return 110;
-    case QT_Q4_K: return 144;
-    case QT_Q5_K: return 176;
-    case QT_Q6_K: return 210;
-    case QT_IQ4_XS: return 136;
-    default: return 0;
-    }
 }
 
 /* Sub-block j's (0..7) 6-bit scale and min from Q4_K / Q5_K's scales[12]. */

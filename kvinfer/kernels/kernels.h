@@ -1,4 +1,4 @@
-/* Declarations shared by the kernel sources (qmatmul.c, attn.c, rowops.c, decode_step.c). Each level's library
+/* The library's ABI: declarations shared by the kernel sources (every .c here and in amx/). Each level's library
  * is built from all of them with the same KVQ_LEVEL; the structs are mirrored by ctypes in __init__.py. */
 #ifndef KVINFER_KERNELS_H
 #define KVINFER_KERNELS_H
@@ -24,7 +24,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
 int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out);
 void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx);
 /* The avx512 level's kept copies: K-quant weights laid out once for VNNI (kquants.c; kvq_amx_tiles_bytes / pack hand
- * them over, 0 bytes / KVQ_EBADTYPE at the other levels), the registry lookup (qmatmul.c: the copy registered for
+ * them over, 0 bytes / KVQ_EBADTYPE at the other levels), the registry lookup (kept.c: the copy registered for
  * exactly this weight, or NULL) and the activations' two bytes per int16 (hi + 128, lo; 64 bytes per block of 32). */
 int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt);
 int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
@@ -37,15 +37,15 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
                      int64_t ldo);
 void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu);
 
-/* AMX tiles (qmatmul.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level a quantised
- * weight may be kept in tile layout (bytes, pack) and registered under its address (tiles NULL: unregister); both
- * the AMX and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE). */
+/* AMX tiles (amx/qmatmul_int8.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level
+ * a quantised weight may be kept in tile layout (kept.c: bytes, pack) and registered under its address (tiles NULL:
+ * unregister); both the AMX and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE). */
 int kvq_amx_enable(int on);
 int kvq_amx_min_rows(void); /* rows from which a quantised matmul runs on the tiles (0: no tiles) */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
 int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles);
-/* Prompt rows on AMX bfloat16 tiles over a kept weight (exact per CPU; see qmatmul.c): enable (on as above;
+/* Prompt rows on AMX bfloat16 tiles over a kept weight (exact per CPU; see amx/qmatmul_bf16.c): enable (on as above;
  * needs the int8 tiles on, AMX-BF16 and AVX512_BF16), then kvq_matmul's arguments; KVQ_EBADTYPE when the route
  * is off or the weight has no kept copy. */
 int kvq_amx_bf16_enable(int on);
@@ -162,5 +162,8 @@ int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, in
                    float *out);
 
 int kvq_level(void);
+/* Type qt's elements and bytes per block (either pointer may be NULL): returns 1 when this level keeps a copy of
+ * a weight of that type (kvq_amx_tiles_pack), 0 when not, KVQ_EBADTYPE for a type the kernels do not take. */
+int kvq_type_traits(int qt, int64_t *block_elems, int64_t *block_bytes);
 int kvq_max_threads(void);
 #endif

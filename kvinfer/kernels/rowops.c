@@ -65,18 +65,30 @@ void kvq_layer_norm(const float *x, int64_t rows, int64_t ldx, const float *w, c
     for (int64_t r = 0; r < rows; r++) layer_norm_row(x + r * ldx, w, b, y + r * ldy, n, eps);
 }
 
-/* y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
-void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n) {
+/* kvq_silu_mul's first elements, per level: at the AVX-512 level 16 lanes, the same operations (faster on
+ * prefill activations: docs/BENCHMARKS.md); returns how many it did. */
+#if KVQ_LEVEL >= 2
+static inline int64_t silu_mul_wide(const float *g, const float *u, float *y, int64_t n) {
     int64_t i = 0;
-    const vf one = vf_set1(1.0f), zero = vf_zero();
-#if KVQ_LEVEL >= 2 /* 16 lanes, the same operations (faster on prefill activations: docs/BENCHMARKS.md) */
     for (; i + 16 <= n; i += 16) {
         const __m512 x = _mm512_loadu_ps(g + i);
         const __m512 e = v16_exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
         _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                               _mm512_loadu_ps(u + i)));
     }
+    return i;
+}
+#else
+static inline int64_t silu_mul_wide(const float *g, const float *u, float *y, int64_t n) {
+    (void)g, (void)u, (void)y, (void)n;
+    return 0;
+}
 #endif
+
+/* y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
+void kvq_silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = silu_mul_wide(g, u, y, n);
+    const vf one = vf_set1(1.0f), zero = vf_zero();
     for (; i + 8 <= n; i += 8) {
         vf x = vf_load(g + i);
         vf_store(y + i, vf_mul(vf_div(x, vf_add(one, vf_exp(vf_sub(zero, x)))), vf_load(u + i)));

@@ -1,0 +1,156 @@
+/* A weight's kept copy: the registry that finds it by the weight's address (every level), and, at the avx512 level
+ * built with the AMX flags, the 16-column layout of Q4_0 / Q4_1 / Q8_0 weights (layout in matmul.h, above
+ * kept_qbytes), its packing and its readback as GGUF bytes. The K-quants' copies are kquants_kept.c's; the routes
+ * that read a copy are qmatmul.c's kept_rows and amx/. */
+#include "matmul.h"
+
+#include <pthread.h>
+
+#define AMX_KEPT_MAX 4096
+static struct amx_kept {
+    const uint8_t *w, *tiles;
+    int64_t N, K, ldw;
+    int qt;
+} amx_kept[AMX_KEPT_MAX];
+static int amx_nkept;
+static pthread_mutex_t amx_kept_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* tiles != NULL: matmuls of w (N x K, ldw, qt) read their tiles from it (kvq_amx_tiles_pack's output, kept alive
+ * by the caller until it registers NULL for w). Every level keeps the registry; which types have a kept layout
+ * depends on the level (kvq_amx_tiles_bytes). */
+int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
+    int rc = KVQ_OK;
+    pthread_mutex_lock(&amx_kept_lock);
+    int i = 0;
+    while (i < amx_nkept && amx_kept[i].w != w) i++;
+    if (!tiles) {
+        if (i < amx_nkept) {
+            amx_kept[i] = amx_kept[amx_nkept - 1];
+            __atomic_store_n(&amx_nkept, amx_nkept - 1, __ATOMIC_RELAXED);
+        }
+    } else if (i == AMX_KEPT_MAX) {
+        rc = KVQ_ENOMEM;
+    } else {
+        amx_kept[i] = (struct amx_kept){w, tiles, N, K, ldw, qt};
+        if (i == amx_nkept) __atomic_store_n(&amx_nkept, amx_nkept + 1, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&amx_kept_lock);
+    return rc;
+}
+
+const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
+    if (__atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) == 0) return NULL;
+    const uint8_t *t = NULL;
+    pthread_mutex_lock(&amx_kept_lock);
+    for (int i = 0; i < amx_nkept; i++)
+        if (amx_kept[i].w == w) {
+            const struct amx_kept *e = &amx_kept[i];
+            if (e->N == N && e->K == K && e->ldw == ldw && e->qt == qt) t = e->tiles;
+            break;
+        }
+    pthread_mutex_unlock(&amx_kept_lock);
+    return t;
+}
+
+#ifdef KVQ_HAVE_AMX
+int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
+    if (!kvq_type_kept(qt)) return 0;
+    if (kq_is_kquant(qt)) return kvq_kq_kept_bytes(N, K, qt);
+    if (!block_bytes(qt) || K <= 0 || K % QK || N <= 0) return 0;
+    return (N + KEPT_COLS - 1) / KEPT_COLS * kept_group_bytes(K / QK, qt);
+}
+
+int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
+    if (kq_is_kquant(qt)) return kvq_kq_kept_pack(w, N, K, ldw, qt, dst, nthreads);
+    const int64_t bytes = kvq_amx_tiles_bytes(N, K, qt), nb = K / QK;
+    if (!bytes) return KVQ_EBADSHAPE;
+    if (ldw < nb * block_bytes(qt)) return KVQ_EROWBYTES;
+    if ((uintptr_t)dst % 64) return KVQ_EBADSHAPE;
+    const int64_t passes = (N + AMX_COLS - 1) / AMX_COLS, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt);
+    int rc = KVQ_OK;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        int8_t *bt = NULL; /* Q8_0 only: kvqi_amx_pack's transposed bytes (4-bit groups keep the GGML nibbles) */
+        float *d = NULL, *m = NULL;
+        if (qt == QT_Q8_0) {
+            bt = (int8_t *)aligned_alloc(64, (size_t)nb * 2 * 8 * 64);
+            d = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+            m = (float *)aligned_alloc(64, sizeof(float) * (size_t)nb * AMX_COLS);
+        }
+        const int ok = qt != QT_Q8_0 || (bt && d && m);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < passes; p++) { /* (every thread meets the loop; one without buffers skips) */
+            if (!ok) {
+#pragma omp atomic write
+                rc = KVQ_ENOMEM;
+                continue;
+            }
+            const int64_t c0 = p * AMX_COLS, c1 = c0 + AMX_COLS < N ? c0 + AMX_COLS : N;
+            if (qt == QT_Q8_0) kvqi_amx_pack(w, ldw, qt, nb, c0, c1, bt, d, m);
+            for (int t = 0; t < 2 && c0 + KEPT_COLS * t < N; t++) {
+                uint8_t *g = dst + (2 * p + t) * gb;
+                const int qb = kept_qbytes(qt);
+                uint16_t *dh = (uint16_t *)(g + nb * qb), *mh = dh + nb * KEPT_COLS;
+                const uint8_t *rows[KEPT_COLS];
+                for (int c = 0; c < KEPT_COLS; c++) { /* past N: the last column again (never stored) */
+                    const int64_t col = c0 + KEPT_COLS * t + c;
+                    rows[c] = w + (col < N ? col : N - 1) * ldw;
+                }
+                for (int64_t b = 0; b < nb; b++) {
+                    if (qt == QT_Q8_0) {
+                        memcpy(g + b * 512, bt + (b * 2 + t) * 512, 512);
+                    } else {
+                        __m512i y[4];
+                        dw_transpose16x4(rows, b * bb + (qt == QT_Q4_1 ? 4 : 2), y);
+                        for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * 256 + 64 * k, y[k]);
+                    }
+                    for (int c = 0; c < KEPT_COLS; c++) {
+                        const int live = c0 + KEPT_COLS * t + c < N;
+                        dh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb) : 0;
+                        if (qt == QT_Q4_1) mh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb + 2) : 0;
+                    }
+                }
+            }
+        }
+        free(bt), free(d), free(m);
+    }
+    return rc;
+}
+
+int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                  int64_t ldo) {
+    if (kq_is_kquant(qt)) return kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo);
+    if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return KVQ_EBADTYPE;
+    if (K <= 0 || K % QK || N <= 0) return KVQ_EBADSHAPE;
+    const int64_t nb = K / QK, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt), qo = qt == QT_Q4_1 ? 4 : 2;
+    const int qb = kept_qbytes(qt), nrows = qb / 64; /* 8 rows of quants (Q8_0) or 4 of nibble pairs */
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return KVQ_EBADSHAPE;
+        const uint8_t *gq = kept + ids[i] / KEPT_COLS * gb;
+        const uint16_t *dh = (const uint16_t *)(gq + nb * kept_qbytes(qt)), *mh = dh + nb * KEPT_COLS;
+        const int64_t u = ids[i] % KEPT_COLS;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + i * ldo + b * bb;
+            for (int k = 0; k < nrows; k++) memcpy(o + qo + 4 * k, gq + b * qb + 64 * k + 4 * u, 4);
+            memcpy(o, dh + b * KEPT_COLS + u, 2);
+            if (qt == QT_Q4_1) memcpy(o + 2, mh + b * KEPT_COLS + u, 2);
+        }
+    }
+    return KVQ_OK;
+}
+#else
+
+/* Below the avx512 level only the K-quants have a kept layout (kquants_kept.c; none at the generic level). */
+int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
+    return kvq_type_kept(qt) ? kvq_kq_kept_bytes(N, K, qt) : 0;
+}
+
+int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads) {
+    return kq_is_kquant(qt) ? kvq_kq_kept_pack(w, N, K, ldw, qt, dst, nthreads) : KVQ_EBADTYPE;
+}
+
+int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
+                  int64_t ldo) {
+    return kq_is_kquant(qt) ? kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo) : KVQ_EBADTYPE;
+}
+#endif

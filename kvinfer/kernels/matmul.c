@@ -1,0 +1,196 @@
+/* kvq_matmul: checks a call, rounds the activations once, and runs the rows on this level's route (matmul.h's
+ * tables: the quantised tiles of qmatmul.c, the float tiles of fmatmul.c, the kept copy's vector route, or from
+ * AMX_MIN_ROWS rows amx/qmatmul_int8.c), threads splitting the output columns; and kvq_embed_rows, the embedding
+ * lookup. */
+#include "matmul.h"
+
+static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
+    const int64_t ng = j->xq ? QNG : NG;
+    const int64_t slab = W_SLAB_BYTES / j->ldw / ng * ng, nc = slab > 0 ? slab : ng; /* whole output groups */
+    const int64_t nb = j->K / QK;
+    const int mt = j->xq ? MT_MAX : kvqi_mf_max;
+    for (int64_t c0 = n0; c0 < n1; c0 += nc) {
+        const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
+        for (int64_t r = 0; r < j->M; r += mt) {
+            const int64_t h = j->M - r < mt ? j->M - r : mt;
+            if (j->kept)
+                kvqi_kepts[h](j->xu + r * nb * 2 * QK, j->dx + r * nb, j->sx + r * nb, nb, j->qt, j->kept,
+                              j->y + r * j->ldy, j->ldy, c0, c1);
+            else if (j->xq)
+                kvqi_tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
+                                j->y + r * j->ldy, j->ldy, c0, c1, r == 0);
+            else
+                kvqi_tiles_f[h](j->x + r * j->ldx, j->ldx, j->K, j->w, j->ldw, j->qt, j->y + r * j->ldy, j->ldy, c0,
+                                c1);
+        }
+        if (j->bias)
+            for (int64_t r = 0; r < j->M; r++)
+                for (int64_t n = c0; n < c1; n++) j->y[r * j->ldy + n] = j->y[r * j->ldy + n] + j->bias[n];
+    }
+}
+
+int kvq_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int kvq_level(void) { return KVQ_LEVEL; }
+
+/* This level's quantised routes beside the vector tiles, chosen here once: a build with the AMX flags has the int8
+ * tiles (from kvq_amx_min_rows() rows, while kvq_amx_enable grants them) and reads kept copies (kvqi_kepts below
+ * the tiles); other builds neither. */
+static const struct {
+    int kept;
+    int (*amx)(const struct job *j, int16_t *xq, float *dx, float *sx, int nt, const uint8_t *kept);
+} ROUTE = {
+#ifdef KVQ_HAVE_AMX
+    1, kvqi_amx_matmul
+#else
+    0, NULL
+#endif
+};
+
+/* Returns 0, or a negative KVQ_E* code (y untouched). nthreads <= 0: OpenMP's default. Threads split the
+ * output columns, never K, so the thread count cannot change a result. */
+int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
+               const float *bias, float *y, int64_t ldy, int nthreads) {
+    if (kq_is_kquant(qt)) return kvq_kq_matmul(x, M, K, ldx, w, N, ldw, qt, bias, y, ldy, nthreads);
+    const int bb = block_bytes(qt), eb = elem_bytes(qt);
+    if (!bb && !eb) return KVQ_EBADTYPE;
+    if (M < 0 || N < 0 || K <= 0 || (bb && K % QK) || ldx < K || ldy < N) return KVQ_EBADSHAPE;
+    const int64_t row_bytes = bb ? K / QK * bb : K * eb;
+    if (ldw < row_bytes) return KVQ_EROWBYTES;
+    if (M == 0 || N == 0) return KVQ_OK;
+
+    struct job j = {x, bias, w, y, M, K, ldx, N, ldw, ldy, qt, NULL, NULL, NULL, NULL, NULL};
+    int16_t *xq = NULL;
+    float *dx = NULL, *sx = NULL;
+    if (bb) {
+        const int64_t nb = K / QK;
+        xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+        dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+        sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+        if (!xq || !dx || !sx) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        j.xq = xq, j.dx = dx, j.sx = sx;
+    }
+    int nt = nthreads > 0 ? nthreads : kvq_max_threads();
+    uint8_t *xu = NULL;
+    const uint8_t *kept = bb && ROUTE.kept ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (bb && ROUTE.amx && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself, on all threads) */
+        const int rc = ROUTE.amx(&j, xq, dx, sx, nt, kept);
+        free(xq), free(dx), free(sx);
+        return rc;
+    }
+    if (kept) {
+        xu = (uint8_t *)malloc((size_t)(M * K * 2));
+        if (!xu) {
+            free(xq), free(dx), free(sx);
+            return KVQ_ENOMEM;
+        }
+        j.xu = xu, j.kept = kept;
+    }
+    if (bb) kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
+    if (xu) kvq_split_bytes(xq, M, K, xu);
+    const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
+    if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
+    if (nt > N) nt = (int)N;
+    if (nt < 1) nt = 1;
+    if (nt == 1) {
+        run_rows(&j, 0, N); /* no OpenMP region: saves its fixed cost on small calls */
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            int tid = 0, nth = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            nth = omp_get_num_threads();
+#endif
+            const int64_t ng = bb ? QNG : NG, groups = (N + ng - 1) / ng, e = groups * (tid + 1) / nth * ng;
+            run_rows(&j, groups * tid / nth * ng, e < N ? e : N); /* whole groups each */
+        }
+    }
+    free(xq), free(dx), free(sx), free(xu);
+    return KVQ_OK;
+}
+
+/* kvq_matmul with its arguments in one int64 array, in the same order: ctypes converts each argument of a call
+ * separately, and one pointer is several microseconds cheaper than twelve scalars (QuantLinear's hot path). */
+int kvq_matmul_packed(const int64_t *a) {
+    return kvq_matmul((const float *)(intptr_t)a[0], a[1], a[2], a[3], (const uint8_t *)(intptr_t)a[4], a[5], a[6],
+                      (int)a[7], (const float *)(intptr_t)a[8], (float *)(intptr_t)a[9], a[10], (int)a[11]);
+}
+
+/* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
+ * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (a multiply,
+ * then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside [0, N). */
+static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
+                           int64_t K, float *out);
+
+int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
+                   float *out) {
+    /* A weight with a kept copy may have dropped its GGUF rows (kvq_kept_rows): the rows asked for come from the
+     * copy, byte for byte, and then decode as usual. */
+    const uint8_t *kept = n > 0 && K > 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (kept) {
+        uint8_t *rows = (uint8_t *)malloc((size_t)(n * ldw));
+        int64_t *seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+        int rc = rows && seq ? kvq_kept_rows(kept, N, K, qt, ids, n, rows, ldw) : KVQ_ENOMEM;
+        if (rc == KVQ_OK) {
+            for (int64_t i = 0; i < n; i++) seq[i] = i;
+            rc = embed_gguf_rows(rows, ldw, qt, seq, n, n, K, out);
+        }
+        free(rows), free(seq);
+        if (rc != KVQ_EBADTYPE) return rc;
+    }
+    return embed_gguf_rows(w, ldw, qt, ids, n, N, K, out);
+}
+
+static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
+                           int64_t K, float *out) {
+    if (kq_is_kquant(qt)) {
+        if (n < 0 || K <= 0) return KVQ_EBADSHAPE;
+        for (int64_t r = 0; r < n; r++)
+            if (ids[r] < 0 || ids[r] >= N) return KVQ_EBADSHAPE;
+        return kvq_kq_embed_rows(w, ldw, qt, ids, n, K, out);
+    }
+    const int bb = block_bytes(qt), eb = elem_bytes(qt);
+    if (!bb && !eb) return KVQ_EBADTYPE;
+    if (n < 0 || K <= 0 || (bb && K % QK)) return KVQ_EBADSHAPE;
+    if (ldw < (bb ? K / QK * bb : K * eb)) return KVQ_EROWBYTES;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return KVQ_EBADSHAPE;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = w + ids[r] * ldw;
+        float *y = out + r * K;
+        if (!bb) {
+            for (int64_t k = 0; k < K; k++) y[k] = load_w1(row, k, qt);
+            continue;
+        }
+        for (int64_t b = 0; b < K / QK; b++) {
+            const uint8_t *blk = row + b * bb;
+            const float d = kvq_half(kvq_rd16(blk));
+            float *yb = y + b * QK;
+            if (qt == QT_Q8_0)
+                for (int i = 0; i < QK; i++) yb[i] = (float)(int8_t)blk[2 + i] * d;
+            else if (qt == QT_Q4_0)
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)((blk[2 + i] & 15) - 8) * d;
+                    yb[i + 16] = (float)((blk[2 + i] >> 4) - 8) * d;
+                }
+            else {
+                const float m = kvq_half(kvq_rd16(blk + 2));
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)(blk[4 + i] & 15) * d + m;
+                    yb[i + 16] = (float)(blk[4 + i] >> 4) * d + m;
+                }
+            }
+        }
+    }
+    return KVQ_OK;
+}
