@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvinfer.kernels as kernels
+from kvinfer.kernels import abi
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 EBADTYPE = -1
@@ -42,7 +43,7 @@ def _tiles_bytes(level: str, n: int, k: int, qt: int) -> int:
 @pytest.mark.parametrize("qtype", sorted(kernels.QTYPES))
 def test_quantised_types_match_python_and_gguf(qtype):
     qt = kernels.QTYPES[qtype]
-    want = kernels._BLOCKS[qtype]
+    want = abi._BLOCKS[qtype]
     assert gguf.GGMLQuantizationType[qtype].value == qt
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]] == want
     for level in _levels():
