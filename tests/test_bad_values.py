@@ -313,7 +313,7 @@ def test_logit_bias_steers_greedy_decoding(client):
 def test_logit_bias_in_the_sampler():
     import torch
 
-    from kvinfer.sampler import SampleRow, Sampler
+    from kvinfer.core.sampler import SampleRow, Sampler
     from kvinfer.sampling_params import SamplingParams
 
     logits = torch.tensor([[1.0, 3.0, 2.0]])

@@ -8,14 +8,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "kvinfer"
 
 LAYERS = {
-    0: ["errors", "config", "sampling_params", "utils", "options"],
-    1: ["layers", "sampler", "request", "detokenizer", "kernels", "loaders.dequant", "spec", "structured"],
+    0: ["errors", "config", "sampling_params", "utils", "options", "core"],
+    1: ["layers", "core.sampler", "core.request", "detokenizer", "kernels", "loaders.dequant", "spec", "structured"],
     2: ["models", "loaders", "kv"],
-    3: ["scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
+    3: ["core.scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],
     5: ["server", "cli", "cli_chat", "bench", "lab"],
 }
-TORCH_FREE = ["scheduler", "kv.block_pool", "kv.manager", "kv.interface", "request", "sampling_params", "errors", "config",
+TORCH_FREE = ["core.scheduler", "kv.block_pool", "kv.manager", "kv.interface", "core.request", "sampling_params", "errors", "config",
               "spec.ngram", "spec.speculator", "options"]
 
 

@@ -185,7 +185,7 @@ def test_a_dead_grammar_ends_the_sequence_and_both_sampler_paths_agree(llm):
     # and unpacked, for the per-row path), so the request ends instead of drawing from nothing.
     import torch
 
-    from kvinfer.sampler import Sampler, SampleRow
+    from kvinfer.core.sampler import Sampler, SampleRow
 
     eng = llm.engine
     dead = eng.grammar_matcher(StructuredOutput(choice=["yes", "no"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from kvinfer.kv.manager import CACHED_FREE, FREE, OWNED, SHARED  # noqa: F401  (the page's block states)
-from kvinfer.request import Request, RequestStatus
+from kvinfer.core.request import Request, RequestStatus
 
 
 def kv_state(engine) -> dict:

@@ -18,10 +18,10 @@ from kvinfer.engine.processing import CoreOutput, EngineRequest, Prompt, SampleD
 from kvinfer.engine.startup import build, eos_token_ids
 from kvinfer.errors import ValidationError
 from kvinfer.loaders.model_loader import LoadedModel
-from kvinfer.request import Request
-from kvinfer.sampler import Sampler, SampleRow
+from kvinfer.core.request import Request
+from kvinfer.core.sampler import Sampler, SampleRow
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import MultiStep
+from kvinfer.core.scheduler import MultiStep
 from kvinfer.structured import GrammarCompiler, accept_token
 
 log = logging.getLogger("kvinfer")
@@ -256,7 +256,7 @@ class LLMEngine:
     def _append_decode_steps(self, sched, ran, touched) -> None:
         """A fused call's tokens, step by step through _append_token (so stop tokens, max_tokens and outputs are as
         one step at a time), each with its logprobs from the same logits; then the scheduler settles the KV."""
-        from kvinfer.sampler import row_logprob
+        from kvinfer.core.sampler import row_logprob
 
         steps = len(ran.tokens)
         self.stats["steps"] += steps

@@ -10,7 +10,7 @@ import torch
 from kvinfer.kv.interface import SeqSlice, decodes_first
 from kvinfer.layers.forward_context import ForwardContext, set_forward_context
 from kvinfer.layers.quant_linear import QuantLinear, prompt_route_on
-from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+from kvinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass
@@ -188,7 +188,7 @@ class ModelRunner:
         a single step's (FusedDecode), its token the sampler's: the argmax by numpy's rule, or kvq_sample_row with
         the next uniform number of the request's generator (n are taken up front, and a generator is left as if
         only the steps done had drawn). The call stops after a step that made a stop token."""
-        from kvinfer.sampler import row_params, uniform
+        from kvinfer.core.sampler import row_params, uniform
 
         self.backend.copy_blocks(out.block_copies)
         seqs = out.scheduled
@@ -219,7 +219,7 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, p: StepPlan, reqs: list) -> None:
         """Append to each request's prompt_logprobs (logprob, top-k pairs, rank) of the prompt token after each of
         its rows, with the same arithmetic as a generated token's (sampler.row_logprob on the same logits)."""
-        from kvinfer.sampler import row_logprob
+        from kvinfer.core.sampler import row_logprob
 
         i = 0
         for rows in row_chunks(p.prompt_rows):

@@ -19,7 +19,7 @@ from kvinfer.kv.factory import kv_bytes_per_token, kv_layout, make_kv, spec_for
 from kvinfer.kv.tier_io import make_tiers
 from kvinfer.loaders.model_loader import (LoadedModel, ModelSource, check_source, load_model, resolve_device,
                                           resolve_dtype, resolve_source)
-from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.core.scheduler import Scheduler, SchedulerConfig
 from kvinfer.utils import format_bytes
 
 log = logging.getLogger("kvinfer")

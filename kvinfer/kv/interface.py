@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence, TypeVar, runtime_checkable
 
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 
 
 @dataclass

@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 from kvinfer.kv.block_pool import BlockPool, hash_block
 from kvinfer.kv.interface import SeqSlice
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 
 # Block states in a paged snapshot, one small int per block so a map of thousands of blocks stays a few KB.
 FREE, CACHED_FREE, OWNED, SHARED = 0, 1, 2, 3

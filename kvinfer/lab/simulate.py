@@ -11,9 +11,9 @@ from typing import Callable, Optional, Sequence
 from kvinfer.config import ModelConfig, kv_element_bytes
 from kvinfer.errors import KvinferError, RequestTooLargeError, ValidationError
 from kvinfer.kv.factory import kv_layout, make_manager
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvinfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvinfer.utils import format_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -8,9 +8,9 @@ import torch
 
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.kv.factory import KVSpec, make_kv
-from kvinfer.request import Request
-from kvinfer.sampler import argmax_rows, draw, filter_probs
-from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+from kvinfer.core.request import Request
+from kvinfer.core.sampler import argmax_rows, draw, filter_probs
+from kvinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass

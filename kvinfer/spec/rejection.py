@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvinfer.sampler import Sampler, SampleResult, SampleRow, chosen_logprobs, draw, filter_probs, process_row
+from kvinfer.core.sampler import Sampler, SampleResult, SampleRow, chosen_logprobs, draw, filter_probs, process_row
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int],

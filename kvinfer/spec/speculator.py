@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 from kvinfer.spec.ngram import NgramIndex
 
 # A request whose proposals stop paying off sits out 2, 4, ... up to this many steps before it tries again.

@@ -10,7 +10,7 @@ from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.config import EngineConfig
 from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.errors import ValidationError
-from kvinfer.sampler import argmax_rows
+from kvinfer.core.sampler import argmax_rows
 
 
 def _run(llm, prompts, params):

@@ -10,8 +10,8 @@ import torch
 from kvinfer import LLM, SamplingParams
 from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.kv.manager import PagedKVManager
-from kvinfer.request import Request
-from kvinfer.scheduler import MultiStep, Scheduler, SchedulerConfig
+from kvinfer.core.request import Request
+from kvinfer.core.scheduler import MultiStep, Scheduler, SchedulerConfig
 
 
 def _decoding(sched: Scheduler, n: int, **params) -> list[Request]:

@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvinfer.kv.block_pool import BlockPool
 from kvinfer.kv.manager import PagedKVManager
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 from kvinfer.sampling_params import SamplingParams
 
 

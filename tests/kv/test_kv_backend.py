@@ -10,7 +10,7 @@ import torch
 from kvinfer.kv.cache import _group_seqs
 from kvinfer.kv.factory import KVSpec, kv_layout, make_kv
 from kvinfer.kv.interface import KVManager, SeqSlice, decodes_first, is_decode, leading_decodes
-from kvinfer.request import Request
+from kvinfer.core.request import Request
 from kvinfer.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2] / "kvinfer"

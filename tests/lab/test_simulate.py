@@ -12,7 +12,7 @@ from kvinfer.models.families import preset_config
 from kvinfer.errors import ValidationError
 from kvinfer.kv.manager import PagedKVManager
 from kvinfer.lab import simulate as sim
-from kvinfer.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
+from kvinfer.core.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 
 SMOL = preset_config("smollm2-135m")
 COST = sim.CostModel(0.01, 1e-4, 1e-3, 1e-6)
@@ -75,7 +75,7 @@ def test_virtual_clock_arithmetic():
 
 
 def test_cost_model_features():
-    from kvinfer.request import Request
+    from kvinfer.core.request import Request
     from kvinfer.sampling_params import SamplingParams
 
     r = Request("a", [1] * 20, SamplingParams(max_tokens=4))

@@ -148,9 +148,9 @@ def test_bench_reports_the_allreduce_share(capsys):
 def test_simulator_tp_cost_term():
     from kvinfer.models.families import preset_config
     from kvinfer.lab import simulate as sim
-    from kvinfer.request import Request
+    from kvinfer.core.request import Request
     from kvinfer.sampling_params import SamplingParams
-    from kvinfer.scheduler import ScheduledSeq, SchedulerOutput
+    from kvinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 
     smol = preset_config("smollm2-135m")  # 30 layers, hidden 576, MLP 1536, vocab 49152
     base = sim.CostModel(0.01, 3e-3, 6e-3, 9e-6)

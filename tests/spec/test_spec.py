@@ -9,9 +9,9 @@ import torch
 from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.errors import ValidationError
 from kvinfer.kv.manager import PagedKVManager
-from kvinfer.request import Request
-from kvinfer.sampler import Sampler, SampleRow
-from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.core.request import Request
+from kvinfer.core.sampler import Sampler, SampleRow
+from kvinfer.core.scheduler import Scheduler, SchedulerConfig
 from kvinfer.spec.ngram import NgramIndex
 from kvinfer.spec.rejection import verify
 from tests.conftest import assert_engine_clean, generate_checked, save_tiny_llama

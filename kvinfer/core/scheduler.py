@@ -7,7 +7,7 @@ from typing import Optional
 
 from kvinfer.errors import RequestTooLargeError, ValidationError
 from kvinfer.kv.interface import KVManager
-from kvinfer.request import Request, RequestStatus
+from kvinfer.core.request import Request, RequestStatus
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 
 from kvinfer import LLM, SamplingParams
 from kvinfer.errors import ValidationError
-from kvinfer.sampler import Sampler, SampleRow, draw, filter_probs
+from kvinfer.core.sampler import Sampler, SampleRow, draw, filter_probs
 
 
 def rows(n, **kw):
@@ -102,7 +102,7 @@ def test_draw_follows_probabilities_never_draws_zeros_and_repeats_with_its_gener
 
 
 def test_argmax_rows_is_torch_argmax_ties_and_nan_included():
-    from kvinfer.sampler import argmax_rows
+    from kvinfer.core.sampler import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 1000, generator=g)

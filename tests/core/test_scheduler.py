@@ -8,9 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvinfer.errors import RequestTooLargeError, ValidationError
 from kvinfer.kv.manager import PagedKVManager, cdiv
-from kvinfer.request import Request, RequestStatus
+from kvinfer.core.request import Request, RequestStatus
 from kvinfer.sampling_params import SamplingParams
-from kvinfer.scheduler import Scheduler, SchedulerConfig
+from kvinfer.core.scheduler import Scheduler, SchedulerConfig
 
 NEW_TOKEN = 7  # what the pretend sampler always emits
 
