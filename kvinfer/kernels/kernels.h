@@ -1,5 +1,5 @@
 /* The library's ABI: declarations shared by the kernel sources (every .c here and in amx/). Each level's library
- * is built from all of them with the same KVQ_LEVEL; the structs are mirrored by ctypes in __init__.py. */
+ * is built from all of them with the same KVQ_LEVEL; the structs are mirrored by ctypes in abi.py. */
 #ifndef KVINFER_KERNELS_H
 #define KVINFER_KERNELS_H
 #include <stdint.h>
