@@ -34,7 +34,7 @@ static const struct layout layouts[] = {
     AT(kvq_decode_layer, gate_up_qt), AT(kvq_decode_layer, down_qt), AT(kvq_decode_layer, kpool),
     AT(kvq_decode_layer, vpool), AT(kvq_decode_layer, kscale), AT(kvq_decode_layer, vscale),
     AT(kvq_decode_layer, qkv_parts), AT(kvq_decode_layer, gate_up_parts), AT(kvq_decode_layer, qkv_nparts),
-    AT(kvq_decode_layer, gate_up_nparts),
+    AT(kvq_decode_layer, gate_up_nparts), AT(kvq_decode_layer, q_norm), AT(kvq_decode_layer, k_norm),
 
     SIZE(kvq_decode),
     AT(kvq_decode, x), AT(kvq_decode, layers), AT(kvq_decode, cos), AT(kvq_decode, sin), AT(kvq_decode, slots),

@@ -70,7 +70,7 @@ class DecodeLayer(ctypes.Structure):
                [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
                [(n, _vp) for n in ("kpool", "vpool", "kscale", "vscale")] + \
                [("qkv_parts", DecodePart * MAX_PARTS), ("gate_up_parts", DecodePart * MAX_PARTS),
-                ("qkv_nparts", _i32), ("gate_up_nparts", _i32)]
+                ("qkv_nparts", _i32), ("gate_up_nparts", _i32), ("q_norm", _vp), ("k_norm", _vp)]
 
 
 class DecodeJob(ctypes.Structure):

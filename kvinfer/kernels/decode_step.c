@@ -1,5 +1,5 @@
-/* A whole decode step of a Llama-style decoder (RMSNorm, fused QKV, rotate-half RoPE, K/V store, paged
- * attention, fused gate-up SwiGLU, residuals) over every layer in one call, for float32 activations and
+/* A whole decode step of a Llama-style decoder (RMSNorm, fused QKV, optional q/k norms, rotate-half RoPE, K/V
+ * store, paged attention, fused gate-up SwiGLU, residuals) over every layer in one call, for float32 activations and
  * GGML-quantised weights. It calls the very functions the eager path calls one op at a time (kvq_matmul,
  * kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul), in the same order, so a token decoded here or in a
  * mixed eager step gets the same bits; what goes away is the eager path's per-op dispatch cost.
@@ -64,6 +64,9 @@ int kvq_decode_step(const struct kvq_decode *d) {
         if (rc) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
+            /* in place: the row function reads a head whole before it writes it */
+            if (p->q_norm) kvq_rms_norm(row, H, D, p->q_norm, row, D, D, d->eps, 1);
+            if (p->k_norm) kvq_rms_norm(row + qs, KVH, D, p->k_norm, row + qs, D, D, d->eps, 1);
             const float *c = d->cos + pos[b] * (D / 2), *s = d->sin + pos[b] * (D / 2);
             kvq_rope(row, H, D, c, s);
             kvq_rope(row + qs, KVH, D, c, s);

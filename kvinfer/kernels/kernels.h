@@ -114,6 +114,9 @@ struct kvq_decode_layer {
     /* nparts > 0: qkv (gate_up) is these parts instead of the one matrix above; 0: that matrix. */
     struct kvq_part qkv_parts[KVQ_MAX_PARTS], gate_up_parts[KVQ_MAX_PARTS];
     int32_t qkv_nparts, gate_up_nparts;
+    /* Optional per-head RMSNorms of q and k ([D] each, the step's eps), applied before RoPE (Qwen3, OLMo 2);
+     * NULL: none. */
+    const float *q_norm, *k_norm;
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */

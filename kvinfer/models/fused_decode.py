@@ -2,8 +2,8 @@
 
 The eager path costs about 20 small torch ops and module calls per layer per step; for a 30-layer model with
 single-token steps that dispatch overhead rivals the arithmetic. FusedDecode runs the same computation
-(RMSNorm, fused QKV, rotate-half RoPE, K/V written to the paged pools, paged attention, SwiGLU, residuals) in C
-with the same quantised-matmul and attention kernels. It applies only where every piece matches exactly; any
+(RMSNorm, fused QKV, q/k norms where the model has them, rotate-half RoPE, K/V written to the paged pools, paged
+attention, SwiGLU, residuals) in C with the same quantised-matmul and attention kernels. It applies only where every piece matches exactly; any
 other model, dtype, device or backend keeps the eager path.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ def unsupported_reason(model, backend) -> Optional[str]:
         return kernels.unavailable_reason()
     if cfg.position != "rope" or cfg.norm != "rms" or cfg.mlp != "swiglu":
         return f"position {cfg.position}, norm {cfg.norm}, mlp {cfg.mlp} (needs rope, rms, swiglu)"
-    if model.pos_embed is not None or model.embed_norm is not None or cfg.qk_norm:
-        return "extra embedding or q/k norms"
+    if model.pos_embed is not None or model.embed_norm is not None:
+        return "an extra embedding or embedding norm"
     if cfg.rotary_dim is not None or cfg.layer_windows or cfg.sandwich_norm or cfg.num_experts:
         return "partial rotary, per-layer windows, sandwich norms or experts"
     if cfg.embed_scale is not None or cfg.attn_scale is not None:
@@ -54,9 +54,14 @@ def unsupported_reason(model, backend) -> Optional[str]:
                     return "a projection that is not bias-free QuantLinears of kernel types"
                 if not lin.raw.is_contiguous():
                     return "non-contiguous quantised weights"
-        for norm in (layer.input_norm, layer.post_attn_norm):
+        qk = (layer.attn.q_norm, layer.attn.k_norm) if cfg.qk_norm else ()
+        if cfg.qk_norm and (qk[0] is None or qk[1] is None):
+            return "q/k norms the config names but the layers lack"
+        for norm in (layer.input_norm, layer.post_attn_norm, *qk):
             if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.eps != cfg.norm_eps:
                 return "norms that are not float32 RMSNorm with the model's eps"
+            if not norm.weight.is_contiguous():
+                return "non-contiguous norm weights"
     return None
 
 
@@ -85,6 +90,8 @@ class FusedDecode:
                 setattr(e, name, lin.raw.data_ptr())
                 setattr(e, f"{name}_ldw", lin.raw.stride(0))
                 setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
+            if layer.attn.q_norm is not None:  # per head, before RoPE, with the model's eps (as Attention.forward)
+                e.q_norm, e.k_norm = layer.attn.q_norm.weight.data_ptr(), layer.attn.k_norm.weight.data_ptr()
             e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
             if backend.scaled:
                 e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()

@@ -113,3 +113,72 @@ def test_a_model_with_mixed_type_projections_decodes_fused_bitwise(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
     assert_engine_clean(eng)
+
+
+# A model run in a fresh process at one ISA level: the same prompts decoded with the fused step and with the eager
+# path, batched, greedy and sampled; prints the level, how many decode calls went through the C step, and both
+# runs' tokens and logprobs (as hex, so that the comparison is of bits).
+_LEVEL_RUN = """
+import importlib.util, json, sys
+from kvinfer import LLM, SamplingParams, kernels
+from kvinfer.engine.model_runner import ModelRunner
+from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
+spec = importlib.util.spec_from_file_location("make_gguf", sys.argv[1] + "/scripts/make_gguf.py")
+mg = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mg)
+path = mg.write_direct(__import__("pathlib").Path(sys.argv[2]), sys.argv[3], "Q8_0", seed=5)
+llm = LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8, block_size=16)
+reason = unsupported_reason(llm.engine.loaded.model, llm.engine.kv_cache)
+calls = []
+one, many = FusedDecode.__call__, FusedDecode.decode_steps
+def counting(self, *a, **kw):
+    calls.append(1)
+    return one(self, *a, **kw)
+def counting_steps(self, *a, **kw):
+    calls.append(1)
+    return many(self, *a, **kw)
+FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
+prompts = [[2 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(5)]
+params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.9, seed=11 + i, max_tokens=8 + 3 * i, ignore_eos=True,
+                         logprobs=2) for i in range(5)]
+runs = {}
+for fused in (True, False):
+    ModelRunner.use_fused_decode = fused
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    runs[str(fused)] = [[list(o.outputs[0].token_ids), [lp.logprob.hex() for lp in o.outputs[0].logprobs]]
+                        for o in outs]
+print(json.dumps([kernels.level(), reason, len(calls), runs]))
+"""
+
+
+def _levels_run(shape: str, tmp_path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    levels = [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+    runs = {}
+    for lv in levels:
+        env = dict(os.environ, KVINFER_ISA=lv, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        level, reason, calls, result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert level == lv and reason is None, (level, reason)
+        assert calls > 0  # decode steps went through the C step
+        assert result["True"] == result["False"], lv  # fused and eager: the same tokens and logprobs, bit for bit
+        runs[lv] = result["True"]
+    assert len(runs) >= 2
+    for lv in levels[1:]:
+        assert runs[lv] == runs[levels[0]], lv  # and every level the same bits
+    return runs
+
+
+@needs_kernels
+def test_qwen3_q_k_norms_decode_fused_bitwise_at_every_level(tmp_path):
+    # Qwen3 normalises each head of q and k before RoPE: the C step applies the same row function with the same
+    # eps, so a batched decode (greedy and sampled rows) is the eager path's bit for bit, at every ISA level.
+    _levels_run("tiny-qwen3", tmp_path)
