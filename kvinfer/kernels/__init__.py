@@ -16,11 +16,11 @@ from __future__ import annotations
 # that same runtime (same soname) instead of loading a second one, so both share one thread pool.
 import torch  # noqa: F401
 
-from .abi import (FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, MAX_PARTS, QTYPES, AttnJob, DecodeJob, DecodeLayer,
-                  DecodePart, Sampling)
+from .abi import (FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, MAX_PARTS, QTYPES, AttnJob, DecodeExpert, DecodeJob,
+                  DecodeLayer, DecodePart, Sampling)
 from .active import (PreparedMatmul, _reset, active, attention, available, decode_step, decode_steps, describe,
-                     embed_rows, gelu, layer_norm, level, library, library_path, load, matmul, rms_norm, rope_pair_,
-                     sample_row, silu_mul, unavailable_reason)
+                     embed_rows, gelu, layer_norm, level, library, library_path, load, matmul, moe_route, rms_norm,
+                     rope_pair_, sample_row, silu_mul, unavailable_reason)
 from .build import CC, DISPATCH_SOURCE, HEADERS, LEVEL_FLAGS, LEVELS, SOURCES, build
 from .kept import KeptTiles
 from .levels import batch_invariant, best_level, cpu_features, drop_source_enabled, keep_tiles_enabled
@@ -28,5 +28,5 @@ from .ops import Kernels, role_runs
 
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
-           "silu_mul", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer", "DecodeJob",
-           "Sampling", "library_path", "build", "load", "describe"]
+           "silu_mul", "moe_route", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer",
+           "DecodeExpert", "DecodeJob", "Sampling", "library_path", "build", "load", "describe"]

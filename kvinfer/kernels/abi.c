@@ -26,6 +26,11 @@ static const struct layout layouts[] = {
     SIZE(kvq_part),
     AT(kvq_part, w), AT(kvq_part, rows), AT(kvq_part, ldw), AT(kvq_part, qt),
 
+    SIZE(kvq_expert),
+    AT(kvq_expert, gate_up), AT(kvq_expert, down), AT(kvq_expert, gate_up_ldw), AT(kvq_expert, down_ldw),
+    AT(kvq_expert, gate_up_qt), AT(kvq_expert, down_qt), AT(kvq_expert, gate_up_parts),
+    AT(kvq_expert, gate_up_nparts),
+
     SIZE(kvq_decode_layer),
     AT(kvq_decode_layer, attn_norm), AT(kvq_decode_layer, ffn_norm), AT(kvq_decode_layer, qkv),
     AT(kvq_decode_layer, o), AT(kvq_decode_layer, gate_up), AT(kvq_decode_layer, down),
@@ -35,6 +40,9 @@ static const struct layout layouts[] = {
     AT(kvq_decode_layer, vpool), AT(kvq_decode_layer, kscale), AT(kvq_decode_layer, vscale),
     AT(kvq_decode_layer, qkv_parts), AT(kvq_decode_layer, gate_up_parts), AT(kvq_decode_layer, qkv_nparts),
     AT(kvq_decode_layer, gate_up_nparts), AT(kvq_decode_layer, q_norm), AT(kvq_decode_layer, k_norm),
+    AT(kvq_decode_layer, experts), AT(kvq_decode_layer, router), AT(kvq_decode_layer, router_ldw),
+    AT(kvq_decode_layer, n_experts), AT(kvq_decode_layer, top_k), AT(kvq_decode_layer, expert_inter),
+    AT(kvq_decode_layer, router_qt), AT(kvq_decode_layer, renorm),
 
     SIZE(kvq_decode),
     AT(kvq_decode, x), AT(kvq_decode, layers), AT(kvq_decode, cos), AT(kvq_decode, sin), AT(kvq_decode, slots),

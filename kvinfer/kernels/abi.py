@@ -63,6 +63,13 @@ class DecodePart(ctypes.Structure):
 MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/kernels/test_kernel_abi.py)
 
 
+class DecodeExpert(ctypes.Structure):
+    """struct kvq_expert: one expert of a mixture-of-experts layer (gate-up, or its parts, and down)."""
+    c_struct = "kvq_expert"
+    _fields_ = [("gate_up", _vp), ("down", _vp), ("gate_up_ldw", _i64), ("down_ldw", _i64), ("gate_up_qt", _i32),
+                ("down_qt", _i32), ("gate_up_parts", DecodePart * MAX_PARTS), ("gate_up_nparts", _i32)]
+
+
 class DecodeLayer(ctypes.Structure):
     c_struct = "kvq_decode_layer"
     _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")] + \
@@ -70,7 +77,10 @@ class DecodeLayer(ctypes.Structure):
                [(n, _i32) for n in ("qkv_qt", "o_qt", "gate_up_qt", "down_qt")] + \
                [(n, _vp) for n in ("kpool", "vpool", "kscale", "vscale")] + \
                [("qkv_parts", DecodePart * MAX_PARTS), ("gate_up_parts", DecodePart * MAX_PARTS),
-                ("qkv_nparts", _i32), ("gate_up_nparts", _i32), ("q_norm", _vp), ("k_norm", _vp)]
+                ("qkv_nparts", _i32), ("gate_up_nparts", _i32), ("q_norm", _vp), ("k_norm", _vp)] + \
+               [("experts", _vp), ("router", _vp)] + \
+               [(n, _i64) for n in ("router_ldw", "n_experts", "top_k", "expert_inter")] + \
+               [("router_qt", _i32), ("renorm", _i32)]
 
 
 class DecodeJob(ctypes.Structure):
@@ -109,6 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_argmax_rows": ([vp, i64, i64, vp], None),
         "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
+        "kvq_moe_route": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
         "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
         "kvq_silu_mul_rows": ([vp, i64, i64, i64, vp, c_int], None),
         "kvq_gelu": ([vp, vp, i64, c_int, c_int], None),

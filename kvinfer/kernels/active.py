@@ -134,6 +134,10 @@ def layer_norm(x, weight, bias, eps):
     return active().layer_norm(x, weight, bias, eps)
 
 
+def moe_route(logits, top_k, renormalise):
+    return active().moe_route(logits, top_k, renormalise)
+
+
 def silu_mul(gu, inter):
     return active().silu_mul(gu, inter) if available() else None
 

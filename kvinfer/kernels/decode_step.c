@@ -1,8 +1,9 @@
 /* A whole decode step of a Llama-style decoder (RMSNorm, fused QKV, optional q/k norms, rotate-half RoPE, K/V
- * store, paged attention, fused gate-up SwiGLU, residuals) over every layer in one call, for float32 activations and
- * GGML-quantised weights. It calls the very functions the eager path calls one op at a time (kvq_matmul,
- * kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul), in the same order, so a token decoded here or in a
- * mixed eager step gets the same bits; what goes away is the eager path's per-op dispatch cost.
+ * store, paged attention, fused gate-up SwiGLU or a mixture of SwiGLU experts, residuals) over every layer in one
+ * call, for float32 activations and GGML-quantised weights. It calls the very functions the eager path calls one
+ * op at a time (kvq_matmul, kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul, kvq_moe_route), in the same
+ * order, so a token decoded here or in a mixed eager step gets the same bits; what goes away is the eager path's
+ * per-op dispatch cost.
  *
  * x [B, hidden] is the residual stream: the embedding rows of ids on entry (looked up here when embed is set);
  * on return it holds the last layer's output, and with final_norm set the step also applies the final norm (into
@@ -29,6 +30,74 @@ static int project(const float *x, int64_t B, int64_t K, const uint8_t *w, int64
         col += parts[i].rows;
     }
     return col == N ? KVQ_OK : KVQ_EBADSHAPE;
+}
+
+/* y[B, hid] = the mixture-of-experts FFN of the normed rows h [B, hid], as layers/moe.py's MoE.forward computes
+ * it: router logits by kvq_matmul, each row's experts and weights by kvq_moe_route, the rows' (row, rank) entries
+ * grouped by expert (stably: by row, then rank, within an expert), each expert's gate-up over its rows, one
+ * kvq_silu_mul_rows pass over all of them, each expert's down, then per row weight * output of each rank, summed
+ * in rank order. The matmuls are row-invariant, so a row's bits do not depend on which rows share an expert. */
+static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_decode_layer *p, float *y,
+                   int nthreads) {
+    const int64_t E = p->n_experts, k = p->top_k, I = p->expert_inter, n = B * k;
+    if (E <= 0 || k <= 0 || k > E || I <= 0) return KVQ_EBADSHAPE;
+    float *logits = (float *)malloc(sizeof(float) * (size_t)(B * E)), *w = (float *)malloc(sizeof(float) * (size_t)n);
+    int64_t *ex = (int64_t *)malloc(sizeof(int64_t) * (size_t)n), *at = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *start = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(n * hid));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(n * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(n * I));
+    float *out = (float *)malloc(sizeof(float) * (size_t)(n * hid));
+    int rc = KVQ_OK;
+    if (!logits || !w || !ex || !at || !start || !xs || !gu || !act || !out) {
+        rc = KVQ_ENOMEM;
+        goto done;
+    }
+    rc = kvq_matmul(h, B, hid, hid, p->router, E, p->router_ldw, p->router_qt, NULL, logits, E, nthreads);
+    if (rc) goto done;
+    rc = kvq_moe_route(logits, B, E, k, p->renorm, w, ex);
+    if (rc) goto done;
+    /* entry i (row i / k, rank i % k) goes to slot at[i]: the experts' runs in expert order, entries in order */
+    for (int64_t i = 0; i < n; i++) start[ex[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t i = 0; i < n; i++) {
+        at[i] = start[ex[i]]++;
+        memcpy(xs + at[i] * hid, h + (i / k) * hid, sizeof(float) * (size_t)hid);
+    }
+    for (int64_t e = 0, a = 0; e < E; a = start[e++]) { /* start[e] is now where expert e's run ends */
+        const int64_t c = start[e] - a;
+        if (!c) continue;
+        const struct kvq_expert *x = p->experts + e;
+        rc = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_parts,
+                     x->gate_up_nparts, gu + a * 2 * I, nthreads);
+        if (rc) goto done;
+    }
+    kvq_silu_mul_rows(gu, n, I, 2 * I, act, nthreads);
+    for (int64_t e = 0, a = 0; e < E; a = start[e++]) {
+        const int64_t c = start[e] - a;
+        if (!c) continue;
+        const struct kvq_expert *x = p->experts + e;
+        rc = kvq_matmul(act + a * I, c, I, I, x->down, hid, x->down_ldw, x->down_qt, NULL, out + a * hid, hid,
+                        nthreads);
+        if (rc) goto done;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float *yr = y + b * hid;
+        const float *o0 = out + at[b * k] * hid, w0 = w[b * k];
+        if (k == 1) {
+            for (int64_t i = 0; i < hid; i++) yr[i] = o0[i] * w0;
+            continue;
+        }
+        const float *o1 = out + at[b * k + 1] * hid, w1 = w[b * k + 1];
+        for (int64_t i = 0; i < hid; i++) yr[i] = o0[i] * w0 + o1[i] * w1;
+        for (int64_t r = 2; r < k; r++) {
+            const float *o = out + at[b * k + r] * hid, wr = w[b * k + r];
+            for (int64_t i = 0; i < hid; i++) yr[i] = yr[i] + o[i] * wr;
+        }
+    }
+done:
+    free(logits), free(w), free(ex), free(at), free(start), free(xs), free(gu), free(act), free(out);
+    return rc;
 }
 
 int kvq_decode_step(const struct kvq_decode *d) {
@@ -89,6 +158,12 @@ int kvq_decode_step(const struct kvq_decode *d) {
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
 
         kvq_rms_norm(d->x, B, hid, p->ffn_norm, h, hid, hid, d->eps, 1);
+        if (p->experts) {
+            rc = moe_ffn(h, B, hid, p, y, d->nthreads);
+            if (rc) break;
+            for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
+            continue;
+        }
         rc = project(h, B, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, p->gate_up_parts,
                      p->gate_up_nparts, gu, d->nthreads);
         if (rc) break;

@@ -94,6 +94,12 @@ void kvq_rope(float *v, int64_t nh, int64_t D, const float *cs, const float *sn)
 void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, const float *cosb, const float *sinb,
                    int nthreads);
 float kvq_exp_shift_sum(float *s, int64_t n, float mx);
+/* A mixture-of-experts router's choice for each of rows rows of logits [rows, E]: the softmax over the E experts
+ * (kvq_exp_shift_sum, then a division by the sum), its k largest probabilities, highest first (of equal ones the
+ * lower expert first), divided by their sum (added in rank order) when renorm is set. weights [rows, k],
+ * experts [rows, k]. The eager path (layers/moe.py: route) and the fused step both call it. */
+int kvq_moe_route(const float *logits, int64_t rows, int64_t E, int64_t k, int renorm, float *weights,
+                  int64_t *experts);
 
 /* A whole decode step of a Llama-style quantised model (decode_step.c). */
 /* One part of a fused projection whose parts differ in type (Q4_K_M's q/k/v in Q4_K and Q6_K): rows output
@@ -104,6 +110,14 @@ struct kvq_part {
     int32_t qt;
 };
 #define KVQ_MAX_PARTS 3
+/* One expert of a mixture-of-experts layer: its fused gate-up (2 * expert_inter rows, or parts) and its down. */
+struct kvq_expert {
+    const uint8_t *gate_up, *down;
+    int64_t gate_up_ldw, down_ldw;
+    int32_t gate_up_qt, down_qt;
+    struct kvq_part gate_up_parts[KVQ_MAX_PARTS];
+    int32_t gate_up_nparts;
+};
 struct kvq_decode_layer {
     const float *attn_norm, *ffn_norm;
     const uint8_t *qkv, *o, *gate_up, *down;
@@ -117,6 +131,13 @@ struct kvq_decode_layer {
     /* Optional per-head RMSNorms of q and k ([D] each, the step's eps), applied before RoPE (Qwen3, OLMo 2);
      * NULL: none. */
     const float *q_norm, *k_norm;
+    /* experts set: a mixture-of-experts layer in place of gate_up / down (see decode_step.c: moe_ffn). The router
+     * [n_experts, hidden] is rows of router_ldw bytes of type router_qt; each row takes its top_k experts
+     * (kvq_moe_route, renorm as there), each expert_inter wide. */
+    const struct kvq_expert *experts;
+    const uint8_t *router;
+    int64_t router_ldw, n_experts, top_k, expert_inter;
+    int32_t router_qt, renorm;
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */

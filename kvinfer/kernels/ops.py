@@ -297,6 +297,17 @@ class Kernels:
                                 x2.shape[1], eps, torch.get_num_threads())
         return y.view(x.shape)
 
+    def moe_route(self, logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's logits [tokens, experts] (float32 CPU, rows contiguous) -> (weights [tokens, top_k] float32,
+        experts [tokens, top_k] int64) by kvq_moe_route: the fused decode step's own routing."""
+        x = logits if logits.is_contiguous() else logits.contiguous()
+        n, e = x.shape
+        w = torch.empty((n, top_k), dtype=torch.float32)
+        ex = torch.empty((n, top_k), dtype=torch.int64)
+        _check(self.lib.kvq_moe_route(x.data_ptr(), n, e, top_k, int(renormalise), w.data_ptr(), ex.data_ptr()),
+               "moe_route")
+        return w, ex
+
     def silu_mul(self, gu: torch.Tensor, inter: int) -> Optional[torch.Tensor]:
         """silu(gu[:, :inter]) * gu[:, inter:] for float32 CPU [tokens, 2 * inter] with contiguous rows; None when
         the tensor does not fit (the caller falls back)."""

@@ -1,9 +1,12 @@
-/* Row operations of the decoder: RMSNorm, LayerNorm, SwiGLU's silu(g) * u, GELU, rotate-half RoPE. Each row's
- * result is a fixed sequence of operations on that row alone (reductions: 8-lane partial sums, then a
- * sequential tail), and elementwise functions give a value the same result in a vector lane or in the tail;
- * the eager path and the fused decode step call these same functions. */
+/* Row operations of the decoder: RMSNorm, LayerNorm, SwiGLU's silu(g) * u, GELU, rotate-half RoPE, the
+ * mixture-of-experts routing. Each row's result is a fixed sequence of operations on that row alone (reductions:
+ * 8-lane partial sums, then a sequential tail), and elementwise functions give a value the same result in a vector
+ * lane or in the tail; the eager path and the fused decode step call these same functions. */
 #include "kernels.h"
 #include "simd.h"
+
+#include <stdlib.h>
+#include <string.h>
 
 #define PAR_MIN 32768 /* elements below which a second thread is not worth waking */
 
@@ -153,4 +156,41 @@ void kvq_rope_rows(float *x, int64_t tokens, int64_t ld, int64_t nh, int64_t D, 
                    int nthreads) {
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) if (tokens * nh * D >= PAR_MIN) schedule(static)
     for (int64_t t = 0; t < tokens; t++) kvq_rope(x + t * ld, nh, D, cosb + t * (D / 2), sinb + t * (D / 2));
+}
+
+/* The softmax's exp is kvq_exp_shift_sum's, which gives the same bits at every level; the top-k is a selection
+ * pass per rank (k is small), so its order does not depend on a sort's. */
+int kvq_moe_route(const float *logits, int64_t rows, int64_t E, int64_t k, int renorm, float *weights,
+                  int64_t *experts) {
+    if (rows < 0 || E <= 0 || k <= 0 || k > E) return KVQ_EBADSHAPE;
+    float *p = (float *)malloc(sizeof(float) * (size_t)E);
+    unsigned char *taken = (unsigned char *)malloc((size_t)E);
+    if (!p || !taken) {
+        free(p), free(taken);
+        return KVQ_ENOMEM;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *z = logits + r * E;
+        float mx = z[0];
+        for (int64_t e = 1; e < E; e++) mx = z[e] > mx ? z[e] : mx;
+        memcpy(p, z, sizeof(float) * (size_t)E);
+        const float sum = kvq_exp_shift_sum(p, E, mx);
+        for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+        memset(taken, 0, (size_t)E);
+        float *w = weights + r * k;
+        int64_t *ex = experts + r * k;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            taken[best] = 1, ex[j] = best, w[j] = p[best];
+        }
+        if (renorm) {
+            float s = w[0];
+            for (int64_t j = 1; j < k; j++) s = s + w[j];
+            for (int64_t j = 0; j < k; j++) w[j] = w[j] / s;
+        }
+    }
+    free(p), free(taken);
+    return KVQ_OK;
 }

@@ -17,7 +17,10 @@ from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [tokens, experts] -> (weights [tokens, top_k] float32, experts [tokens, top_k]): the softmax
     over every expert, its top_k largest (highest first), renormalised to sum to one when the family does
-    (Mixtral always, Qwen-MoE with norm_topk_prob)."""
+    (Mixtral always, Qwen-MoE with norm_topk_prob). On float32 CPU it is the C row function the fused decode step
+    routes with (kvq_moe_route): torch's softmax and topk are not what the C step can repeat bit for bit."""
+    if logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2 and kernels.available():
+        return kernels.moe_route(logits, top_k, renormalise)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:

@@ -3,8 +3,9 @@
 The eager path costs about 20 small torch ops and module calls per layer per step; for a 30-layer model with
 single-token steps that dispatch overhead rivals the arithmetic. FusedDecode runs the same computation
 (RMSNorm, fused QKV, q/k norms where the model has them, rotate-half RoPE, K/V written to the paged pools, paged
-attention, SwiGLU, residuals) in C with the same quantised-matmul and attention kernels. It applies only where every piece matches exactly; any
-other model, dtype, device or backend keeps the eager path.
+attention, SwiGLU or a mixture of SwiGLU experts, residuals) in C with the same quantised-matmul and attention
+kernels. It applies only where every piece matches exactly; any other model, dtype, device or backend keeps the
+eager path.
 """
 from __future__ import annotations
 
@@ -14,8 +15,51 @@ from typing import Optional
 import torch
 
 from kvinfer import kernels
+from kvinfer.layers.mlp import SwiGLU
+from kvinfer.layers.moe import MoE
 from kvinfer.layers.norm import RMSNorm
-from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, QuantParts
+from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear, QuantParts
+
+
+def _projection_reason(proj, fused: bool) -> Optional[str]:
+    """None when proj is a bias-free QuantLinear of a kernel type (or, where fused, up to MAX_PARTS of them)."""
+    if fused and isinstance(proj, QuantParts):  # Q4_K_M's mixed q/k/v: each part its own matmul
+        if len(proj.parts) > kernels.MAX_PARTS:
+            return f"a projection in {len(proj.parts)} parts (at most {kernels.MAX_PARTS})"
+        lins = list(proj.parts)
+    else:
+        lins = [proj]
+    for lin in lins:
+        if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
+            return "a projection that is not bias-free QuantLinears of kernel types"
+        if not lin.raw.is_contiguous():
+            return "non-contiguous quantised weights"
+    return None
+
+
+def _moe_reason(mlp) -> Optional[str]:
+    """None when the C step computes this mixture-of-experts layer as MoE.forward does (moe_ffn in decode_step.c)."""
+    if not isinstance(mlp, MoE):
+        return "an expert layer that is not layers/moe.py's MoE"
+    if mlp.shared is not None:
+        return "a shared expert (Qwen2-MoE)"
+    if mlp.owned is not None or mlp.combine_picked is not None:
+        return "experts dealt out to tensor-parallel ranks (an all-reduce inside the layer)"
+    if not kernels.batch_invariant():
+        return "experts with batch invariance off (the router and experts may take torch's matmuls)"
+    r = mlp.router
+    if (not isinstance(r, KernelLinear) or r.bias is not None or r.weight.dtype not in kernels.FLOAT_TYPES
+            or not r.weight.is_cpu or not r.weight.is_contiguous()):
+        return "a router that is not a bias-free contiguous float KernelLinear"
+    inter = mlp.experts[0].inter if isinstance(mlp.experts[0], SwiGLU) else 0
+    for ex in mlp.experts:
+        if not isinstance(ex, SwiGLU) or ex.activation != "silu" or ex.inter != inter:
+            return "experts that are not SwiGLUs of one width"
+        for proj, fused in ((ex.gate_up, True), (ex.down, False)):
+            reason = _projection_reason(proj, fused)
+            if reason is not None:
+                return f"an expert with {reason}"
+    return None
 
 
 def unsupported_reason(model, backend) -> Optional[str]:
@@ -31,8 +75,8 @@ def unsupported_reason(model, backend) -> Optional[str]:
         return f"position {cfg.position}, norm {cfg.norm}, mlp {cfg.mlp} (needs rope, rms, swiglu)"
     if model.pos_embed is not None or model.embed_norm is not None:
         return "an extra embedding or embedding norm"
-    if cfg.rotary_dim is not None or cfg.layer_windows or cfg.sandwich_norm or cfg.num_experts:
-        return "partial rotary, per-layer windows, sandwich norms or experts"
+    if cfg.rotary_dim is not None or cfg.layer_windows or cfg.sandwich_norm:
+        return "partial rotary, per-layer windows or sandwich norms"
     if cfg.embed_scale is not None or cfg.attn_scale is not None:
         return "a scaled embedding or softmax"
     if cfg.head_dim % 2:
@@ -41,19 +85,16 @@ def unsupported_reason(model, backend) -> Optional[str]:
     if rot.cos.dtype != torch.float32 or not (rot.cos.is_contiguous() and rot.sin.is_contiguous()):
         return "RoPE tables that are not contiguous float32"
     for layer in model.layers:
-        for proj in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-            fused = proj is layer.attn.qkv or proj is layer.mlp.gate_up
-            if fused and isinstance(proj, QuantParts):  # Q4_K_M's mixed q/k/v: each part its own matmul
-                if len(proj.parts) > kernels.MAX_PARTS:
-                    return f"a projection in {len(proj.parts)} parts (at most {kernels.MAX_PARTS})"
-                lins = list(proj.parts)
-            else:
-                lins = [proj]
-            for lin in lins:
-                if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
-                    return "a projection that is not bias-free QuantLinears of kernel types"
-                if not lin.raw.is_contiguous():
-                    return "non-contiguous quantised weights"
+        moe = isinstance(layer.mlp, MoE) or bool(cfg.num_experts)
+        mlp = () if moe else ((layer.mlp.gate_up, True), (layer.mlp.down, False))
+        for proj, fused in ((layer.attn.qkv, True), (layer.attn.o, False), *mlp):
+            reason = _projection_reason(proj, fused)
+            if reason is not None:
+                return reason
+        if moe:
+            reason = _moe_reason(layer.mlp)
+            if reason is not None:
+                return reason
         qk = (layer.attn.q_norm, layer.attn.k_norm) if cfg.qk_norm else ()
         if cfg.qk_norm and (qk[0] is None or qk[1] is None):
             return "q/k norms the config names but the layers lack"
@@ -75,27 +116,25 @@ class FusedDecode:
         cfg = model.cfg
         self.model, self.backend, self.cfg = model, backend, cfg
         layers = (kernels.DecodeLayer * cfg.num_layers)()
+        self._experts = []  # each MoE layer's table of experts, which the layer table points into
         for i, layer in enumerate(model.layers):
             e = layers[i]
             e.attn_norm, e.ffn_norm = layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr()
-            for name, lin in (("qkv", layer.attn.qkv), ("o", layer.attn.o), ("gate_up", layer.mlp.gate_up),
-                              ("down", layer.mlp.down)):
-                if isinstance(lin, QuantParts):
-                    parts = getattr(e, f"{name}_parts")
-                    for j, part in enumerate(lin.parts):
-                        parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
-                        parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
-                    setattr(e, f"{name}_nparts", len(lin.parts))
-                    continue
-                setattr(e, name, lin.raw.data_ptr())
-                setattr(e, f"{name}_ldw", lin.raw.stride(0))
-                setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
+            moe = layer.mlp if isinstance(layer.mlp, MoE) else None
+            mlp = () if moe else (("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down))
+            for name, lin in (("qkv", layer.attn.qkv), ("o", layer.attn.o), *mlp):
+                _set_projection(e, name, lin)
+            if moe is not None:
+                self._set_moe(e, moe)
             if layer.attn.q_norm is not None:  # per head, before RoPE, with the model's eps (as Attention.forward)
                 e.q_norm, e.k_norm = layer.attn.q_norm.weight.data_ptr(), layer.attn.k_norm.weight.data_ptr()
             e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
             if backend.scaled:
                 e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()
         self.layers = layers
+        # the dense layers' FFN width (with experts in every layer, only the step's check of it reads it)
+        dense = any(not isinstance(layer.mlp, MoE) for layer in model.layers)
+        self.inter = cfg.intermediate_size if dense else model.layers[0].mlp.experts[0].inter
         self.scale = cfg.head_dim ** -0.5
         # Beyond the layers, what the C step can also do: the embedding lookup, the final norm and the LM head
         # (with the kernels the eager path calls for them), sparing the per-op cost of each in Python.
@@ -108,6 +147,18 @@ class FusedDecode:
         self.head = head if (self.final_norm is not None and isinstance(head, QuantLinear) and head.bias is None
                              and head.qtype in kernels.QTYPES and head.raw.is_contiguous()) else None
         self._ptrs = self._current_ptrs()
+
+    def _set_moe(self, e, moe: MoE) -> None:
+        experts = (kernels.DecodeExpert * moe.num_experts)()
+        for x, ex in zip(experts, moe.experts):
+            _set_projection(x, "gate_up", ex.gate_up)
+            _set_projection(x, "down", ex.down)
+        self._experts.append(experts)
+        w = moe.router.weight
+        e.experts, e.router = ctypes.addressof(experts), w.data_ptr()
+        e.router_ldw, e.router_qt = w.stride(0) * w.element_size(), kernels.FLOAT_TYPES[w.dtype]
+        e.n_experts, e.top_k, e.expert_inter = moe.num_experts, moe.top_k, moe.experts[0].inter
+        e.renorm = int(moe.renormalise)
 
     @property
     def fuses_head(self) -> bool:
@@ -155,7 +206,7 @@ class FusedDecode:
         cfg, kv, rot, norm, emb = self.cfg, self.backend, self.model.rotary, self.final_norm, self.embed
         return kernels.DecodeJob(x.data_ptr(), ctypes.addressof(self.layers), rot.cos.data_ptr(), rot.sin.data_ptr(),
                                  slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), B, cfg.hidden_size,
-                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.inter,
                                  cfg.num_layers, tables.shape[1], kv.block_size, kv.num_blocks,
                                  kv.sliding_window or 0, rot.cos.shape[0], cfg.norm_eps, self.scale,
                                  torch.get_num_threads(), kernels.KV_DTYPES.get(kv.kv_dtype, 0),
@@ -206,3 +257,17 @@ class FusedDecode:
         n = kernels.decode_steps(job, nsteps, torch.tensor(stop_ids, dtype=torch.int64), logits, tokens, sp)
         self.backend.kv_computed += n * B * cfg.num_layers
         return tokens[:n], logits[:n]
+
+
+def _set_projection(e, name: str, lin) -> None:
+    """The fields name, name_ldw, name_qt (or name_parts, name_nparts) of a layer or expert table entry."""
+    if isinstance(lin, QuantParts):
+        parts = getattr(e, f"{name}_parts")
+        for j, part in enumerate(lin.parts):
+            parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
+            parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
+        setattr(e, f"{name}_nparts", len(lin.parts))
+        return
+    setattr(e, name, lin.raw.data_ptr())
+    setattr(e, f"{name}_ldw", lin.raw.stride(0))
+    setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.engine.model_runner import ModelRunner
@@ -182,3 +183,70 @@ def test_qwen3_q_k_norms_decode_fused_bitwise_at_every_level(tmp_path):
     # Qwen3 normalises each head of q and k before RoPE: the C step applies the same row function with the same
     # eps, so a batched decode (greedy and sampled rows) is the eager path's bit for bit, at every ISA level.
     _levels_run("tiny-qwen3", tmp_path)
+
+
+@needs_kernels
+def test_qwen3_moe_decodes_fused_bitwise_at_every_level(tmp_path):
+    # Top-2 of 8 experts, renormalised (a GGUF's routing), q/k norms: the C step routes with the eager path's own
+    # row function, groups a step's rows by expert, runs the same matmuls and sums a row's experts in rank order, so
+    # a batched decode is the eager path's bit for bit, at every ISA level.
+    _levels_run("tiny-qwen3moe", tmp_path)
+
+
+def _tiny_moe(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_gguf",
+                                                  Path(__file__).resolve().parents[2] / "scripts/make_gguf.py")
+    mg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mg)
+    path = mg.write_direct(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q8_0", seed=7)
+    return LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("top_k, renormalise", [(1, False), (3, False), (4, True)])
+def test_moe_routing_variants_decode_fused_bitwise(tmp_path, top_k, renormalise):
+    # Both paths read the layer's top_k and renormalise: one expert per row (no sum), three or four (the running
+    # sum past the first two ranks), raw softmax weights (Qwen3-MoE's default) and renormalised ones (Mixtral's).
+    llm = _tiny_moe(tmp_path)
+    eng = llm.engine
+    for layer in eng.loaded.model.layers:
+        layer.mlp.top_k, layer.mlp.renormalise = top_k, renormalise
+        # Random weights make the experts' output small next to the residual stream, where a last-bit difference
+        # in it would be rounded away: a wider norm makes it dominate, so the comparison sees its every bit.
+        with torch.no_grad():
+            layer.post_attn_norm.weight.mul_(8.0)
+    assert unsupported_reason(eng.loaded.model, eng.kv_cache) is None
+    prompts = [[3 + (11 * i + j) % 150 for j in range(2 + 4 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2) for i in range(6)]
+    fused = _run(llm, prompts, params, True)
+    assert eng.runner._fused is not None
+    eager = _run(llm, prompts, params, False)
+    for a, b in zip(fused, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    assert_engine_clean(eng)
+
+
+@needs_kernels
+def test_moe_layers_the_c_step_cannot_run_say_why(tmp_path):
+    from torch import nn
+
+    from kvinfer.options import override
+
+    llm = _tiny_moe(tmp_path)
+    eng = llm.engine
+    model, kv = eng.loaded.model, eng.kv_cache
+    assert unsupported_reason(model, kv) is None
+    moe = model.layers[1].mlp
+    moe.owned = frozenset({0, 2})  # experts dealt out to ranks: an all-reduce inside the layer
+    assert "tensor-parallel" in unsupported_reason(model, kv)
+    moe.owned = None
+    moe.shared = nn.Identity()  # Qwen2-MoE's shared expert: not in the C step
+    assert "shared expert" in unsupported_reason(model, kv)
+    moe.shared = None
+    with override(batch_invariant=False):
+        assert "batch invariance" in unsupported_reason(model, kv)
+    assert unsupported_reason(model, kv) is None
