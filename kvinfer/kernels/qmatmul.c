@@ -58,7 +58,8 @@ static inline q32 load_q(const uint8_t *blk, int qt) {
     return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
 }
 
-/* d (lanes) and Q4_1 / Q5_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its last). */
+/* d (lanes) and Q4_1 / Q5_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its
+ * last). */
 static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, vf *m) {
     float dv[NG], mv[NG];
     for (int u = 0; u < NG; u++)
