@@ -41,9 +41,12 @@
 #define QNG NG
 #endif
 
-/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q8_0), per element of a float type; 0 for any other type. */
+/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_1, Q8_0), per element of a float type; 0 for any other type. */
 static inline int block_bytes(int qt) { return kvq_type_bytes(qt, QK); }
 static inline int elem_bytes(int qt) { return kvq_type_bytes(qt, 1); }
+/* Whether a 32-weight type adds a minimum per block (w = d * q + m: Q4_1, Q5_1), and where its quants start. */
+static inline int q_has_min(int qt) { return qt == QT_Q4_1 || qt == QT_Q5_1; }
+static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q4_1 ? 4 : 2; }
 
 static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return ((const float *)row)[k];

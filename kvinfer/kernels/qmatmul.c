@@ -1,5 +1,5 @@
 /* Matmul y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for float32 activations and weights kept as GGML Q4_0 / Q4_1 /
- * Q8_0 blocks, or as float32 / fp16 / bf16 rows.
+ * Q5_1 / Q8_0 blocks, or as float32 / fp16 / bf16 rows.
  *
  * One arithmetic per output element, whatever M, the tile a row lands in, the thread count or the ISA level:
  * a row's result is a fixed sequence of IEEE operations on that row and the weights alone. That is what makes
@@ -7,20 +7,22 @@
  *
  * Quantised weights (block layouts, 32 weights each, little-endian fp16 fields):
  *   Q4_0: d qs[16]    w = d * (q - 8)      Q4_1: d m qs[16]   w = d * q + m      Q8_0: d qs[32]   w = d * q
- * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble). Each x row is rounded per
- * 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's largest
- * |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
+ *   Q5_1: d m qh[4] qs[16]   w = d * q + m, q = the 4-bit quant plus 16 where bit i of qh is set (element i)
+ * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble). Q5_1 is Q4_1 with a wider q,
+ * so it takes Q4_1's arithmetic below: a result depends on d, m and q alone, and D_b stays exact. Each x row is
+ * rounded per 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's
+ * largest |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
- * and Q4_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns (16 at
- * the AVX-512 level, one column per lane: tile_q_lanes); tiles of up to 8 rows (16 at the AVX-512 level) share
- * each decoded block (per row and 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level
+ * and Q4_1 / Q5_1's minimum enters as m * sum(x_block) (the exact order: tile_q). Vectors hold 8 output columns
+ * (16 at the AVX-512 level, one column per lane: tile_q_lanes); tiles of up to 8 rows (16 at the AVX-512 level)
+ * share each decoded block (per row and 8 columns a block costs two vpmaddwd per column, reduced; at the AVX-512 level
  * one VNNI vpdpwssd per pair of elements for 16 columns at once, no reduction).
  * From AMX_MIN_ROWS (24) rows, on a CPU whose OS grants the AMX tile state, tile multiplies compute the same int32
  * per block (amx_rows), followed by the same float operations. One int32 per block instead of an 8-lane split of
  * it is what let the tiles in, and it is faster on the vector route too (docs/BENCHMARKS.md).
  * At the AVX-512 level a weight kept in tile layout (kvq_amx_tiles_pack) is read by both routes: the tiles, and
  * below them kept_rows, whose vpdpbusd multiplies the activations' two bytes by the quants as stored: again the
- * same int32 per block.
+ * same int32 per block. Q5_1 has no kept copy (types.h): both routes read its GGUF blocks.
  *
  * This file: the quantised routes' row tiles (tile_q, tile_q_lanes, kept_rows). Float weights: fmatmul.c; the
  * call that picks a route and splits the columns over threads: matmul.c; the kept copy: kept.c; AMX: amx/.
@@ -52,10 +54,12 @@ void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_
 
 static inline q32 load_q(const uint8_t *blk, int qt) {
     if (qt == QT_Q8_0) return q32_from_q8(blk + 2);
+    if (qt == QT_Q5_1) return q32_from_q5(blk + 4, blk + 8);
     return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
 }
 
-/* d (lanes) and Q4_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its last). */
+/* d (lanes) and Q4_1 / Q5_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its
+ * last). */
 static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, vf *m) {
     float dv[NG], mv[NG];
     for (int u = 0; u < NG; u++)
@@ -72,6 +76,20 @@ static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, 
  * costs 16 dot-product instructions and its float work (the 8-column route spent 8 dot products and a
  * 13-instruction reduction per 8 columns). D_b is the same exact int32, and each lane then runs the float
  * operations of tile_q below: the same bits. */
+
+/* Q5_1: R[j] lane c gains 16 in the word of element 2j (low) and 2j + 1 (high) where that element's fifth bit is
+ * set (bits 2j, 2j + 1 of column c's qh, the dword at block offset 4). */
+static inline __attribute__((always_inline)) void or_fifth_bits16(const uint8_t *const *rows, int64_t off,
+                                                                  __m512i R[16]) {
+    int32_t h[16];
+    for (int u = 0; u < 16; u++) memcpy(&h[u], rows[u] + off + 4, 4);
+    const __m512i qh = _mm512_loadu_si512(h), three = _mm512_set1_epi32(3), sel = _mm512_set1_epi32(0x00100010);
+    for (int j = 0; j < 16; j++) { /* t: bits 2j, 2j + 1 at 0, 1; moved to bit 4 of the low and the high word */
+        const __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, 2 * j), three);
+        const __m512i b = _mm512_and_si512(_mm512_or_si512(_mm512_slli_epi32(t, 4), _mm512_slli_epi32(t, 19)), sel);
+        R[j] = _mm512_or_si512(R[j], b);
+    }
+}
 
 /* R[j] (j = 0..15), lane c: elements 2j, 2j + 1 of column c's block as int16 (Q4: minus the offset). */
 static inline __attribute__((always_inline)) void load_q16(const uint8_t *const *rows, int64_t off, int qt,
@@ -100,7 +118,7 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
     const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128,
                                                             14, -128, 15, -128));
     const __m512i lo = _mm512_set1_epi16(15), o = _mm512_set1_epi16(qt == QT_Q4_0 ? 8 : 0);
-    dw_transpose16x4(rows, off + (qt == QT_Q4_1 ? 4 : 2), y);
+    dw_transpose16x4(rows, off + q_qs_offset(qt), y);
     for (int t = 0; t < 4; t++) {
         const __m512i a = _mm512_shuffle_epi8(y[t], sa), b = _mm512_shuffle_epi8(y[t], sb);
         R[2 * t] = _mm512_and_si512(a, lo);
@@ -113,6 +131,7 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
                 R[8 + 2 * t + i] = _mm512_sub_epi16(R[8 + 2 * t + i], o);
             }
     }
+    if (qt == QT_Q5_1) or_fifth_bits16(rows, off, R);
 }
 
 #define NG16 16
@@ -121,7 +140,7 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
 static inline __attribute__((always_inline)) __m512 lanes_block(__m512 acc, __m512i D, __m512 vd, __m512 vm,
                                                                 float dx, float sx, int qt) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(vd, _mm512_set1_ps(dx)), acc);
-    if (qt == QT_Q4_1) acc = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx), acc);
+    if (q_has_min(qt)) acc = _mm512_fmadd_ps(vm, _mm512_set1_ps(sx), acc);
     return acc;
 }
 
@@ -183,7 +202,7 @@ static inline __attribute__((always_inline)) void tile_q_lanes(const int16_t *xq
  *   acc = 0; for each block b in order:
  *     acc = fma(float(D_b), d_b * dx_b, acc)     D_b: the exact int32 dot product of the block's 32 quants with
  *                                                the row's 32 int16-rounded activations
- *     acc = fma(m_b, sx_b, acc)                  Q4_1 only: its minimum times the exact float sum of the block
+ *     acc = fma(m_b, sx_b, acc)                  Q4_1, Q5_1 only: the minimum times the exact float sum of the block
  *   y = acc.
  * One int32 per block (not a lane split of it) is what a tile multiply unit hands back, so every route computes
  * D_b its own way: here two vpmaddwd (or VNNI) per block and row, eight outputs' partial sums reduced together. */
@@ -214,7 +233,7 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
             for (int r = 0; r < MT; r++) dsum[r] = vi_sum8(dot[r]);
             for (int r = 0; r < MT; r++) {
                 acc[r] = vf_fma(vi_to_vf(dsum[r]), vf_mul(vd, vf_set1(dx[r * nb + b])), acc[r]);
-                if (qt == QT_Q4_1) acc[r] = vf_fma(vm, vf_set1(sx[r * nb + b]), acc[r]);
+                if (q_has_min(qt)) acc[r] = vf_fma(vm, vf_set1(sx[r * nb + b]), acc[r]);
             }
         }
         for (int r = 0; r < MT; r++) {
@@ -235,6 +254,7 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
     static void tile_q##MT(const int16_t *xq, const float *dx, const float *sx, int64_t nb, const uint8_t *w,   \
                            int64_t ldw, int qt, float *y, int64_t ldy, int64_t n0, int64_t n1, int pf) {       \
         if (qt == QT_Q4_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_1, y, ldy, n0, n1, pf, MT);                    \
+        else if (qt == QT_Q5_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q5_1, y, ldy, n0, n1, pf, MT);               \
         else if (qt == QT_Q4_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_0, y, ldy, n0, n1, pf, MT);               \
         else tile_q(xq, dx, sx, nb, w, ldw, QT_Q8_0, y, ldy, n0, n1, pf, MT);                                  \
     }

@@ -256,6 +256,25 @@ static inline q32 q32_from_q8(const uint8_t *qs) {
     return q;
 }
 
+/* 16 bytes, byte i 16 where bit i of h (16 bits) is set, else 0: the fifth bits of 16 of a Q5_1 block's quants. */
+static inline __m128i q5_high16(uint32_t h) {
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)h), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                                                  1, 1, 1, 1));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(16));
+}
+
+/* Q5_1's quants (0..31): the nibbles of qs as q32_from_q4 reads them, plus 16 where bit i of qh (4 bytes,
+ * little-endian) is set for element i. */
+static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    q32 q = q32_from_q4(qs, 0);
+    q.lo = _mm256_or_si256(q.lo, _mm256_cvtepu8_epi16(q5_high16(h & 0xffffu)));
+    q.hi = _mm256_or_si256(q.hi, _mm256_cvtepu8_epi16(q5_high16(h >> 16)));
+    return q;
+}
+
 /* Round 32 floats times `scale` to int16 (nearest, ties to even, saturating) into out[0..32). */
 static inline void round_i16_32(const float *x, float scale, int16_t *out) {
     const __m256 s = _mm256_set1_ps(scale);
@@ -397,6 +416,14 @@ static inline q32 q32_from_q4(const uint8_t *qs, int off) {
 static inline q32 q32_from_q8(const uint8_t *qs) {
     q32 q;
     for (int i = 0; i < 32; i++) q.q[i] = (int16_t)(int8_t)qs[i];
+    return q;
+}
+
+static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    q32 q = q32_from_q4(qs, 0);
+    for (int i = 0; i < 32; i++) q.q[i] = (int16_t)(q.q[i] | (int16_t)(((h >> i) & 1u) << 4));
     return q;
 }
 

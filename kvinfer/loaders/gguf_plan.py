@@ -25,7 +25,8 @@ def _fusion_group(hf_name: str) -> str:
 # Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
 # (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). The loader rewrites such blocks as Q8_0 (34 bytes
 # for 22 / 18) and the Q8_0 kernels take them: the same values as the gguf package dequantizes, at 1.5-1.9x the
-# file's bytes for those matrices, well below float32's.
+# file's bytes for those matrices, well below float32's. Q5_1 (d * q + m) is no Q8_0 weight; the kernels take its
+# blocks as stored.
 AS_Q8_0 = frozenset({"Q5_0", "IQ4_NL"})
 _IQ4NL_VALUES = np.array(IQ4NL_VALUES, dtype=np.int8)
 

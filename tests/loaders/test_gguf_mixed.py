@@ -30,15 +30,17 @@ needs_kernels = pytest.mark.skipif(not kernels.available() or not kernels.batch_
 
 @needs_kernels
 def test_mixed_fused_projection_loads_and_matches_float(tmp_path, caplog):
-    path = write_mixed(tmp_path / "mixed.gguf")
+    # A file's F16 matrices are widened to float32 (F16 is not among the types kept as blocks).
+    types = dict(TYPES, **{"blk.0.ffn_gate.weight": "F16", "blk.0.ffn_down.weight": "F16"})
+    path = write_mixed(tmp_path / "mixed.gguf", types=types)
     with caplog.at_level(logging.WARNING, logger="kvinfer"):
         q = load(path)
     notes = [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
     assert len(notes) == 1, notes
-    # Layer 0's gate/up (Q5_1 with Q8_0) and its Q5_1 down are widened (Q5_1 is not a kernel type); its q/k/v
-    # (Q4_0, Q4_0, Q8_0: kernel types, mixed) stays quantized, one QuantLinear per part.
-    widened = {t for t in ("Q5_1", "Q4_0", "Q8_0") if t in notes[0]}
-    assert "Q5_1" in widened and str(path) in notes[0] and "MiB" in notes[0] and "attn_" not in notes[0]
+    # Layer 0's gate/up (F16 with Q8_0) and its F16 down are widened; its q/k/v (Q4_0, Q4_0, Q8_0: kernel types,
+    # mixed) stays quantized, one QuantLinear per part.
+    assert "F16 x2, Q8_0 x1" in notes[0] and str(path) in notes[0] and "MiB" in notes[0]
+    assert "attn_" not in notes[0]
     l0, l1 = q.model.layers
     assert isinstance(l0.attn.qkv, QuantParts) and [p.qtype for p in l0.attn.qkv.parts] == ["Q4_0", "Q4_0", "Q8_0"]
     assert not isinstance(l0.mlp.gate_up, (QuantLinear, QuantParts))
@@ -76,6 +78,27 @@ def test_q5_0_and_iq4_nl_are_kept_as_q8_0_with_the_same_weights(tmp_path, caplog
     assert torch.equal(l0.mlp.gate_up.dequantized_weight(), want)
     assert torch.equal(l0.mlp.down.dequantized_weight(), file_w["blk.0.ffn_down.weight"])
     f = load(path, quantization="none")  # the file's weights widened: the kernels differ only by rounding x
+    prompt, feed = [3, 9, 17, 40, 5], [11, 2, 33]
+    got, ref = step_logits(q, prompt, feed, "paged"), step_logits(f, prompt, feed, "paged")
+    assert torch.isfinite(got).all() and torch.allclose(got, ref, atol=0.05 * ref.abs().max().item())
+
+
+@needs_kernels
+def test_q5_1_stays_quantized_beside_other_types(tmp_path, caplog):
+    # Q5_1 is a kernel type: layer 0's gate/up (Q5_1 with Q8_0) is kept in parts, its down as Q5_1 blocks, nothing
+    # widened; the layers' weights are the gguf package's floats exactly.
+    path = write_mixed(tmp_path / "q51.gguf")
+    with caplog.at_level(logging.INFO, logger="kvinfer"):
+        q = load(path)
+    assert not [r for r in caplog.records if "widened" in r.getMessage()]
+    l0 = q.model.layers[0]
+    assert isinstance(l0.mlp.gate_up, QuantParts) and [p.qtype for p in l0.mlp.gate_up.parts] == ["Q5_1", "Q8_0"]
+    assert isinstance(l0.mlp.down, QuantLinear) and l0.mlp.down.qtype == "Q5_1"
+    reader = gguf.GGUFReader(str(path))
+    file_w = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
+    assert torch.equal(l0.mlp.gate_up.parts[0].dequantized_weight(), file_w["blk.0.ffn_gate.weight"])
+    assert torch.equal(l0.mlp.down.dequantized_weight(), file_w["blk.0.ffn_down.weight"])
+    f = load(path, quantization="none")
     prompt, feed = [3, 9, 17, 40, 5], [11, 2, 33]
     got, ref = step_logits(q, prompt, feed, "paged"), step_logits(f, prompt, feed, "paged")
     assert torch.isfinite(got).all() and torch.allclose(got, ref, atol=0.05 * ref.abs().max().item())

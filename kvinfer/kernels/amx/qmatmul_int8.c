@@ -46,7 +46,7 @@ static inline void amx_put4(__m128i a, __m128i b, __m128i c, __m128i e, int8_t *
  * 4 k + i), and their d, m as floats; columns past c1 are zeros. */
 void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0, int64_t c1, int8_t *bt,
                    float *d, float *m) {
-    const int bb = block_bytes(qt), qoff = qt == QT_Q4_1 ? 4 : 2;
+    const int bb = block_bytes(qt), qoff = q_qs_offset(qt);
     const int64_t nc = c1 - c0;
     const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(qt == QT_Q4_0 ? 8 : 0);
     for (int o8 = 0; o8 < AMX_COLS / 8; o8++) { /* 8 columns at a time: two 4 x 4 transposes, d and m as vectors */
@@ -68,6 +68,12 @@ void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0
                     const __m128i v = _mm_loadu_si128((const __m128i *)(blk + qoff));
                     lo[u] = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
                     hi[u] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+                    if (qt == QT_Q5_1) { /* the fifth bits: elements 0..15 in lo, 16..31 in hi */
+                        uint32_t h;
+                        memcpy(&h, blk + 4, 4);
+                        lo[u] = _mm_or_si128(lo[u], q5_high16(h & 0xffffu));
+                        hi[u] = _mm_or_si128(hi[u], q5_high16(h >> 16));
+                    }
                 }
             }
             float *db = d + b * AMX_COLS + cb, *mb = m + b * AMX_COLS + cb;
@@ -75,12 +81,12 @@ void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0
                 vf vd, vm;
                 vf_load_half2_strided(row[0] + b * bb, (int)ldw, &vd, &vm); /* F16C: exact, as kvq_half */
                 vf_store(db, vd);
-                if (qt == QT_Q4_1) vf_store(mb, vm);
+                if (q_has_min(qt)) vf_store(mb, vm);
             } else {
                 for (int u = 0; u < 8; u++) {
                     const int live = cb + u < nc;
                     db[u] = live ? _cvtsh_ss(kvq_rd16(row[u] + b * bb)) : 0.0f;
-                    mb[u] = live && qt == QT_Q4_1 ? _cvtsh_ss(kvq_rd16(row[u] + b * bb + 2)) : 0.0f;
+                    mb[u] = live && q_has_min(qt) ? _cvtsh_ss(kvq_rd16(row[u] + b * bb + 2)) : 0.0f;
                 }
             }
             int8_t *dst = dst0 + b * 2 * 8 * 64;
@@ -237,7 +243,7 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
 
 static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1,
                     const uint8_t *kept) {
-    if (j->qt == QT_Q4_1)
+    if (q_has_min(j->qt)) /* Q4_1, or Q5_1 (never kept) */
         return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 1) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 1);
     return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 0) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 0);
 }
