@@ -19,14 +19,8 @@ import kvinfer.kernels as kernels
 from kvinfer import options
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, quantized_embedding_rows
 from kvinfer.loaders.dequant import dequantize
+from tests.kernel_helpers import AMX, TOL, TOL_I16, levels_here, rel_err
 
-# Float arithmetic against a float64 reference: observed up to 2e-6 of max|y| at K=1536; the bound leaves 10x
-# room while still catching any wrong element, block scale or offset (those give errors of order 1e-2 and up).
-TOL = 2e-5
-# Quantised weights: x is rounded to 16 bits per 32-element block first: observed up to 5e-5 of max|y|, so 2e-4
-# still catches any wrong element, scale or offset. Against the float64 product of x rounded the same way it is
-# as exact as float arithmetic (TOL).
-TOL_I16 = 2e-4
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -56,8 +50,6 @@ def reference_i16(x: torch.Tensor, raw, qtype: str, n: int, k: int) -> torch.Ten
     return y
 
 
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def test_kernels_build_on_this_machine():
@@ -284,8 +276,6 @@ def test_amx_probe_never_crashes():
     assert not f["amx_granted"] or f["amx_listed"]
 
 
-def _levels_here():
-    return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
 
 
 @pytest.mark.parametrize("qtype", QTYPES + ("F32",))
@@ -293,7 +283,7 @@ def test_every_level_computes_the_same_bits(qtype):
     n, k = 45, 608
     w = torch.from_numpy(make_raw(qtype, n, k)) if qtype in QTYPES else torch.randn(n, k)
     x = torch.randn(6, k)
-    outs = {lv: kernels.library(lv).matmul(x, w, qtype) for lv in _levels_here()}
+    outs = {lv: kernels.library(lv).matmul(x, w, qtype) for lv in levels_here()}
     assert len(outs) >= 2  # generic and avx2 at least
     first = next(iter(outs.values()))
     for lv, y in outs.items():
@@ -310,7 +300,7 @@ def test_float_weights_give_every_row_the_same_bits_on_every_level(qtype, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(
         {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[qtype])
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(k + 1))
-    libs = [kernels.library(lv) for lv in _levels_here()]
+    libs = [kernels.library(lv) for lv in levels_here()]
     alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), w) for i in range(19)])
     assert rel_err(alone, x.double() @ w.double().T) < TOL
     for lib in libs:
@@ -326,7 +316,7 @@ def test_every_tile_height_and_tail_gives_a_row_the_same_bits(k):
     n = 23
     w = torch.from_numpy(make_raw("Q4_1", n, k, seed=k))
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
-    libs = [kernels.library(lv) for lv in _levels_here()]
+    libs = [kernels.library(lv) for lv in levels_here()]
     alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), w, "Q4_1") for i in range(17)])
     assert rel_err(alone, reference_i16(x, w.numpy(), "Q4_1", n, k)) < TOL
     for lib in libs:
@@ -334,7 +324,6 @@ def test_every_tile_height_and_tail_gives_a_row_the_same_bits(k):
             assert torch.equal(lib.matmul(x[:m], w, "Q4_1"), alone[:m]), (lib.level, m)
 
 
-AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
 
 
 @pytest.mark.skipif(not AMX, reason="needs a CPU whose OS grants the AMX tile state (Intel Xeon 4th gen and later)")
@@ -554,7 +543,7 @@ def test_embedding_rows_in_c_are_the_dequantized_rows_on_every_level(qtype):
         w = torch.randn(n, k).to(fdt[qtype])
         full = w.float()
     ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
-    for lv in _levels_here():
+    for lv in levels_here():
         got = kernels.library(lv).embed_rows(w, qtype, ids, k)
         assert got.shape == (2, 3, k)
         assert torch.equal(got.view(torch.int32), full[ids].view(torch.int32)), lv

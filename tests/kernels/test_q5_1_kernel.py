@@ -9,19 +9,7 @@ import torch
 
 import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
-
-# The bounds of test_matmul_kernel.py: float arithmetic against a float64 reference of the same rounded
-# activations (TOL), and against the unrounded product, where the int16 rounding of x adds its share (TOL_I16).
-TOL, TOL_I16 = 2e-5, 2e-4
-AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
-
-
-def _levels_here() -> list[str]:
-    return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+from tests.kernel_helpers import AMX, TOL, TOL_I16, levels_here, rel_err
 
 
 def make_raw(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -70,7 +58,7 @@ def test_q5_1_fifth_bits_count():
     clear, full = blk.copy(), blk.copy()
     clear[:, :, 4:8], full[:, :, 4:8] = 0, 255
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
-    for lv in _levels_here():
+    for lv in levels_here():
         lib = kernels.library(lv)
         ys = [lib.matmul(x, torch.from_numpy(b.reshape(n, -1)), "Q5_1") for b in (clear, full)]
         for y, b in zip(ys, (clear, full)):
@@ -85,7 +73,7 @@ def test_q5_1_every_level_tile_and_batch_gives_a_row_the_same_bits(k):
     n = 23
     w = torch.from_numpy(make_raw(n, k, seed=k))
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(k))
-    libs = [kernels.library(lv) for lv in _levels_here()]
+    libs = [kernels.library(lv) for lv in levels_here()]
     assert len(libs) >= 2
     alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), w, "Q5_1") for i in range(17)])
     assert rel_err(alone, reference_i16(x, w.numpy(), n, k)) < TOL
@@ -100,7 +88,7 @@ def test_q5_1_embedding_rows_are_the_gguf_floats_on_every_level():
     raw = make_raw(n, k, seed=9)
     w, full = torch.from_numpy(raw), gguf_weights(raw, n, k)
     ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
-    for lv in _levels_here():
+    for lv in levels_here():
         got = kernels.library(lv).embed_rows(w, "Q5_1", ids, k)
         assert torch.equal(got.view(torch.int32), full[ids].view(torch.int32)), lv
     with pytest.raises(ValueError, match=r"\[0, 50\)"):
@@ -120,7 +108,7 @@ def test_q5_1_layer_runs_on_the_kernel_without_a_float_copy():
     assert lin.prepare_kernel() and lin._weight is None
     assert lin.raw.numel() == raw.nbytes  # the file's 24 bytes per 32 weights, no more
     # No kept copy at any level: the routes read the GGUF blocks.
-    for lv in _levels_here():
+    for lv in levels_here():
         assert kernels.library(lv).keep_tiles(lin.raw, n, k, "Q5_1") is None, lv
 
 

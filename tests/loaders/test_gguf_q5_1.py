@@ -12,11 +12,11 @@ import torch
 
 from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.config import EngineConfig
-from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
 from kvinfer.loaders.model_loader import load_model
 from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
 from tests.conftest import assert_engine_clean
+from tests.kernel_helpers import run_fused as _run
 from tests.reference_helpers import step_logits
 
 _spec = importlib.util.spec_from_file_location("make_gguf",
@@ -28,13 +28,6 @@ needs_kernels = pytest.mark.skipif(not kernels.available() or not kernels.batch_
                                    reason="the GGUF kernels are unavailable here")
 
 
-def _run(llm, prompts, params, fused: bool):
-    old = ModelRunner.use_fused_decode
-    ModelRunner.use_fused_decode = fused
-    try:
-        return llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        ModelRunner.use_fused_decode = old
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,13 @@ import pytest
 import torch
 
 from kvinfer import LLM, SamplingParams, kernels
-from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
 from tests.conftest import assert_engine_clean
+from tests.kernel_helpers import run_fused as _run
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable on this machine")
 
 
-def _run(llm, prompts, params, fused: bool):
-    old = ModelRunner.use_fused_decode
-    ModelRunner.use_fused_decode = fused
-    try:
-        return llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        ModelRunner.use_fused_decode = old
 
 
 def _compare(builtin_llm, tol):

@@ -1,0 +1,36 @@
+"""What the kernel tests share: error bounds, the levels this machine runs, and running a model with the fused
+decode step on or off."""
+from __future__ import annotations
+
+import torch
+
+from kvinfer import kernels
+from kvinfer.engine.model_runner import ModelRunner
+
+# Float arithmetic against a float64 reference: observed up to 2e-6 of max|y| at K=1536; the bound leaves 10x
+# room while still catching any wrong element, block scale or offset (those give errors of order 1e-2 and up).
+TOL = 2e-5
+# Quantised weights: x is rounded to 16 bits per 32-element block first: observed up to 5e-5 of max|y|, so 2e-4
+# still catches any wrong element, scale or offset. Against the float64 product of x rounded the same way it is
+# as exact as float arithmetic (TOL).
+TOL_I16 = 2e-4
+AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def levels_here() -> list[str]:
+    """The kernel levels this CPU can run, lowest first."""
+    return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
+
+
+def run_fused(llm, prompts, params, fused: bool):
+    """llm.generate with the fused C decode step on or off."""
+    old = ModelRunner.use_fused_decode
+    ModelRunner.use_fused_decode = fused
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        ModelRunner.use_fused_decode = old
