@@ -152,3 +152,10 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
     assert args.model_tag == "some/model" and args.model is None
     one_line_error(*run_main(capsys, ["serve", "/no/such/model", "--port", "0"]), "/no/such/model", "does not exist")
     one_line_error(*run_main(capsys, ["serve", "a", "--model", "b", "--port", "0"]), "differs from --model")
+
+
+def test_python_dash_m_kvinfer_is_the_kvinfer_command():
+    ok = subprocess.run([sys.executable, "-m", "kvinfer", "--version"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("kvinfer ")
+    bad = subprocess.run([sys.executable, "-m", "kvinfer", "--bogus"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--bogus" in bad.stderr

@@ -13,7 +13,7 @@ LAYERS = {
     2: ["models", "loaders", "kv"],
     3: ["core.scheduler", "engine.model_runner", "parallel", "spec.draft", "spec.speculator"],
     4: ["engine"],
-    5: ["server", "cli", "cli_chat", "bench", "lab"],
+    5: ["server", "cli", "cli_chat", "__main__", "bench", "lab"],
 }
 TORCH_FREE = ["core.scheduler", "kv.block_pool", "kv.manager", "kv.interface", "core.request", "sampling_params", "errors", "config",
               "spec.ngram", "spec.speculator", "options"]

@@ -1,0 +1,4 @@
+"""`python -m kvinfer ...`: the same as the `kvinfer` command."""
+from kvinfer.cli import run
+
+run()
