@@ -397,7 +397,7 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
 }
 
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
-                  int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
+                  int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
     const int bb = kq_block_bytes(qt);
     if (!bb) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || K % QK_K || ldx < K || ldy < N) return KVQ_EBADSHAPE;
@@ -428,7 +428,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
-    const uint8_t *kept = KC_OWN_ROWS >= 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (KC_OWN_ROWS < 0) kept = NULL; /* (no kept layout at this level) */
     /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
      * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
     if (kept && M > KC_OWN_ROWS) {

@@ -69,6 +69,7 @@ class FusedDecode:
             raise ValueError(f"fused decode unsupported: {reason}")
         cfg = model.cfg
         self.model, self.backend, self.cfg = model, backend, cfg
+        self._kept: list[torch.Tensor] = []  # the kept copies the table points to, alive while it does
         layers = (kernels.DecodeLayer * cfg.num_layers)()
         for i, layer in enumerate(model.layers):
             e = layers[i]
@@ -80,11 +81,13 @@ class FusedDecode:
                     for j, part in enumerate(lin.parts):
                         parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
                         parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
+                        parts[j].kept = self._kept_ptr(part)
                     setattr(e, f"{name}_nparts", len(lin.parts))
                     continue
                 setattr(e, name, lin.raw.data_ptr())
                 setattr(e, f"{name}_ldw", lin.raw.stride(0))
                 setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
+                setattr(e, f"{name}_kept", self._kept_ptr(lin))
             e.kpool, e.vpool = backend.k[i].data_ptr(), backend.v[i].data_ptr()
             if backend.scaled:
                 e.kscale, e.vscale = backend.k_scale[i].data_ptr(), backend.v_scale[i].data_ptr()
@@ -100,7 +103,23 @@ class FusedDecode:
                                    and norm.weight.is_contiguous()) else None
         self.head = head if (self.final_norm is not None and isinstance(head, QuantLinear) and head.bias is None
                              and head.qtype in kernels.QTYPES and head.raw.is_contiguous()) else None
+        self._head_kept = self._kept_ptr(self.head) if self.head is not None else None
+        self._embed_kept = self._kept_ptr(self.embed) if self.embed is not None else None  # (a tied head's copy)
         self._ptrs = self._current_ptrs()
+
+    def _kept_ptr(self, m) -> Optional[int]:
+        """The kept copy of a QuantLinear's (or a tied QuantEmbedding's) weight for the table, made first where the
+        layer makes one (as its first forward would): each call passes it beside the weight, as the eager path
+        does, so the step reads what the layer reads."""
+        if isinstance(m, QuantLinear):
+            m.prepare_kernel()
+            kept = m._tiles
+        else:
+            kept = m.kept()
+        if kept is None or kept.tiles is None:
+            return None
+        self._kept.append(kept.tiles)
+        return kept.ptr
 
     @property
     def fuses_head(self) -> bool:
@@ -163,7 +182,9 @@ class FusedDecode:
                                  head.raw.stride(0) if head is not None else 0,
                                  head.out_features if head is not None else 0,
                                  kernels.QTYPES[head.qtype] if head is not None else 0,
-                                 logits.data_ptr() if logits is not None else None)
+                                 logits.data_ptr() if logits is not None else None,
+                                 self._embed_kept if emb is not None else None,
+                                 self._head_kept if head is not None else None)
 
     @property
     def steps_ok(self) -> bool:
