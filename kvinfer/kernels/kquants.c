@@ -428,7 +428,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
-    if (KC_OWN_ROWS < 0) kept = NULL; /* (no kept layout at this level) */
+    if (KC_OWN_ROWS < 0 || !kvq_type_kept(qt)) kept = NULL; /* (no kept layout at this level, or for this type) */
     /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
      * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
     if (kept && M > KC_OWN_ROWS) {

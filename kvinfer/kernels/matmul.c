@@ -81,7 +81,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     uint8_t *xu = NULL;
-    if (!bb || !ROUTE.kept) kept = NULL; /* (float rows have no kept layout; a build without one ignores it) */
+    /* a copy is read where this build has the kept route and keeps this type (float rows have no kept layout) */
+    if (!bb || !ROUTE.kept || !kvq_type_kept(qt)) kept = NULL;
     if (bb && ROUTE.amx && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself, on all threads) */
         const int rc = ROUTE.amx(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
