@@ -68,10 +68,10 @@ class KeptTiles:
         return None if self.tiles is None else self.tiles.data_ptr()
 
     def ptr_for(self, lib: "Kernels", w: torch.Tensor, n: int, k: int, qtype: str) -> Optional[int]:
-        """ptr, after checking that this is the copy of w (n rows of k qtype values) made by lib: a copy's layout
-        is its level's, and C trusts the pointer it is given. ValueError otherwise."""
-        if (lib is not self._lib or w.data_ptr() != self.weight.data_ptr() or (n, k, qtype) != (self.n, self.k,
-                                                                                              self.qtype)):
+        """ptr, after checking that this is the copy of w (n rows of k qtype values) laid out for lib's level: a
+        copy's layout is its level's, and C trusts the pointer it is given. ValueError otherwise."""
+        if (lib.level != self._lib.level or w.data_ptr() != self.weight.data_ptr()
+                or (n, k, qtype) != (self.n, self.k, self.qtype)):
             raise ValueError(f"this kept copy ({self.n}x{self.k} {self.qtype}, level {self._lib.level}) is not the "
                              f"copy of a {n}x{k} {qtype} weight at {w.data_ptr():#x} for level {lib.level}")
         return self.ptr
