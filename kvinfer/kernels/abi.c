@@ -24,12 +24,12 @@ static const struct layout layouts[] = {
     AT(kvq_attn, scale), AT(kvq_attn, nthreads), AT(kvq_attn, kv_dtype),
 
     SIZE(kvq_part),
-    AT(kvq_part, w), AT(kvq_part, rows), AT(kvq_part, ldw), AT(kvq_part, qt),
+    AT(kvq_part, w), AT(kvq_part, rows), AT(kvq_part, ldw), AT(kvq_part, qt), AT(kvq_part, kept),
 
     SIZE(kvq_expert),
     AT(kvq_expert, gate_up), AT(kvq_expert, down), AT(kvq_expert, gate_up_ldw), AT(kvq_expert, down_ldw),
     AT(kvq_expert, gate_up_qt), AT(kvq_expert, down_qt), AT(kvq_expert, gate_up_parts),
-    AT(kvq_expert, gate_up_nparts),
+    AT(kvq_expert, gate_up_nparts), AT(kvq_expert, gate_up_kept), AT(kvq_expert, down_kept),
 
     SIZE(kvq_decode_layer),
     AT(kvq_decode_layer, attn_norm), AT(kvq_decode_layer, ffn_norm), AT(kvq_decode_layer, qkv),
@@ -43,6 +43,8 @@ static const struct layout layouts[] = {
     AT(kvq_decode_layer, experts), AT(kvq_decode_layer, router), AT(kvq_decode_layer, router_ldw),
     AT(kvq_decode_layer, n_experts), AT(kvq_decode_layer, top_k), AT(kvq_decode_layer, expert_inter),
     AT(kvq_decode_layer, router_qt), AT(kvq_decode_layer, renorm),
+    AT(kvq_decode_layer, qkv_kept), AT(kvq_decode_layer, o_kept), AT(kvq_decode_layer, gate_up_kept),
+    AT(kvq_decode_layer, down_kept),
 
     SIZE(kvq_decode),
     AT(kvq_decode, x), AT(kvq_decode, layers), AT(kvq_decode, cos), AT(kvq_decode, sin), AT(kvq_decode, slots),
@@ -53,7 +55,7 @@ static const struct layout layouts[] = {
     AT(kvq_decode, ids), AT(kvq_decode, embed), AT(kvq_decode, embed_ldw), AT(kvq_decode, vocab),
     AT(kvq_decode, embed_qt), AT(kvq_decode, final_eps), AT(kvq_decode, final_norm), AT(kvq_decode, out),
     AT(kvq_decode, head), AT(kvq_decode, head_ldw), AT(kvq_decode, head_rows), AT(kvq_decode, head_qt),
-    AT(kvq_decode, logits),
+    AT(kvq_decode, logits), AT(kvq_decode, embed_kept), AT(kvq_decode, head_kept),
 
     SIZE(kvq_sampling),
     AT(kvq_sampling, temperature), AT(kvq_sampling, top_k), AT(kvq_sampling, top_p), AT(kvq_sampling, min_p),

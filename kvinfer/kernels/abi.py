@@ -56,9 +56,9 @@ class AttnJob(ctypes.Structure):
 
 
 class DecodePart(ctypes.Structure):
-    """struct kvq_part: one part of a fused projection whose parts differ in type."""
+    """struct kvq_part: one part of a fused projection whose parts differ in type (kept: its weight's kept copy)."""
     c_struct = "kvq_part"
-    _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32)]
+    _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32), ("kept", _vp)]
 
 
 MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/kernels/test_kernel_abi.py)
@@ -68,7 +68,8 @@ class DecodeExpert(ctypes.Structure):
     """struct kvq_expert: one expert of a mixture-of-experts layer (gate-up, or its parts, and down)."""
     c_struct = "kvq_expert"
     _fields_ = [("gate_up", _vp), ("down", _vp), ("gate_up_ldw", _i64), ("down_ldw", _i64), ("gate_up_qt", _i32),
-                ("down_qt", _i32), ("gate_up_parts", DecodePart * MAX_PARTS), ("gate_up_nparts", _i32)]
+                ("down_qt", _i32), ("gate_up_parts", DecodePart * MAX_PARTS), ("gate_up_nparts", _i32),
+                ("gate_up_kept", _vp), ("down_kept", _vp)]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -81,7 +82,8 @@ class DecodeLayer(ctypes.Structure):
                 ("qkv_nparts", _i32), ("gate_up_nparts", _i32), ("q_norm", _vp), ("k_norm", _vp)] + \
                [("experts", _vp), ("router", _vp)] + \
                [(n, _i64) for n in ("router_ldw", "n_experts", "top_k", "expert_inter")] + \
-               [("router_qt", _i32), ("renorm", _i32)]
+               [("router_qt", _i32), ("renorm", _i32)] + \
+               [(n, _vp) for n in ("qkv_kept", "o_kept", "gate_up_kept", "down_kept")]
 
 
 class DecodeJob(ctypes.Structure):
@@ -92,7 +94,7 @@ class DecodeJob(ctypes.Structure):
                [("eps", _f32), ("scale", _f32), ("nthreads", _i32), ("kv_dtype", _i32)] + \
                [("ids", _vp), ("embed", _vp), ("embed_ldw", _i64), ("vocab", _i64), ("embed_qt", _i32),
                 ("final_eps", _f32), ("final_norm", _vp), ("out", _vp), ("head", _vp), ("head_ldw", _i64),
-                ("head_rows", _i64), ("head_qt", _i32), ("logits", _vp)]
+                ("head_rows", _i64), ("head_qt", _i32), ("logits", _vp), ("embed_kept", _vp), ("head_kept", _vp)]
 
 
 class Sampling(ctypes.Structure):
@@ -101,13 +103,13 @@ class Sampling(ctypes.Structure):
     _fields_ = [(n, _vp) for n in ("temperature", "top_k", "top_p", "min_p", "u")]
 
 
-_MATMUL_ARGS = ctypes.c_int64 * 12
+_MATMUL_ARGS = ctypes.c_int64 * 13  # kvq_matmul_packed: kvq_matmul's arguments without kept, then kept
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     sig = {
-        "kvq_matmul": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
+        "kvq_matmul": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, vp, i64, c_int], c_int),
         "kvq_matmul_packed": ([vp], c_int),
         "kvq_attention": ([vp], c_int),
         "kvq_attention_prompt": ([vp], c_int),
@@ -118,7 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_sample_probs": ([vp, i64, f32, i64, f32, f32, vp, vp], c_int),
         "kvq_sample_rows": ([vp, i64, i64, vp, vp, vp, vp, vp, vp, i64, vp, c_int], c_int),
         "kvq_argmax_rows": ([vp, i64, i64, vp], None),
-        "kvq_embed_rows": ([vp, i64, c_int, vp, i64, i64, i64, vp], c_int),
+        "kvq_embed_rows": ([vp, i64, c_int, vp, vp, i64, i64, i64, vp], c_int),
         "kvq_rms_norm": ([vp, i64, i64, vp, vp, i64, i64, f32, c_int], None),
         "kvq_moe_route": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
         "kvq_layer_norm": ([vp, i64, i64, vp, vp, vp, i64, i64, f32, c_int], None),
@@ -133,10 +135,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),
         "kvq_kept_rows": ([vp, i64, i64, c_int, vp, i64, vp, i64], c_int),
-        "kvq_kept_lookup": ([vp, i64, i64, i64, c_int], vp),
-        "kvq_amx_tiles_register": ([vp, i64, i64, i64, c_int, vp], c_int),
         "kvq_amx_bf16_enable": ([c_int], c_int),
-        "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, i64, c_int], c_int),
+        "kvq_matmul_prompt": ([vp, i64, i64, i64, vp, i64, i64, c_int, vp, vp, vp, i64, c_int], c_int),
         "kvq_max_threads": ([], c_int),
         "kvq_abi_layout": ([ctypes.c_char_p, ctypes.c_char_p], i64),
     }

@@ -12,6 +12,7 @@ import torch
 from . import levels
 from .abi import _MATMUL_ARGS, FLOAT_TYPES, QTYPES, DecodeJob, Sampling, _check, _declare, _short_rows
 from .build import LEVEL_FLAGS, LEVELS, build
+from .kept import KeptTiles
 from .ops import Kernels
 
 _lock = threading.Lock()
@@ -114,16 +115,16 @@ def _reset() -> None:
 
 
 # ---- module-level calls go to the active level ---------------------------------------------------------------
-def matmul(x, w, qtype="F32", bias=None, out=None, num_threads=None):
-    return active().matmul(x, w, qtype, bias, out, num_threads)
+def matmul(x, w, qtype="F32", bias=None, out=None, num_threads=None, kept=None):
+    return active().matmul(x, w, qtype, bias, out, num_threads, kept)
 
 
 def attention(*args, **kwargs):
     return active().attention(*args, **kwargs)
 
 
-def embed_rows(w, qtype, ids, dim):
-    return active().embed_rows(w, qtype, ids, dim)
+def embed_rows(w, qtype, ids, dim, kept=None):
+    return active().embed_rows(w, qtype, ids, dim, kept)
 
 
 def rms_norm(x, weight, eps):
@@ -167,12 +168,14 @@ class PreparedMatmul:
     """kvq_matmul for one weight with the constant arguments packed once (the per-call hot path of linears).
 
     run() takes raw pointers and trusts them: x float32 [m, k] and y float32 [m, n] contiguous. Each calling
-    thread gets its own argument block. Create it only when available() is True.
+    thread gets its own argument block. Create it only when available() is True. kept: w's copy from the active
+    library's keep_tiles, passed in every call (this object holds the copy's tensor while it lives).
     """
 
-    __slots__ = ("_fn", "_template", "_blocks", "_args")
+    __slots__ = ("_fn", "_template", "_blocks", "_args", "_kept")
 
-    def __init__(self, n: int, k: int, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None):
+    def __init__(self, n: int, k: int, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
+                 kept: Optional[KeptTiles] = None):
         lib = active()
         if w.dtype == torch.uint8:
             qt = QTYPES[qtype]
@@ -182,9 +185,12 @@ class PreparedMatmul:
         else:
             qt = FLOAT_TYPES[w.dtype]
             ldw = w.stride(0) * w.element_size()
-        self._args = (n, k, w, qtype, bias)
+        kp = None if kept is None else kept.ptr_for(lib, w, n, k, qtype)
+        self._args = (n, k, w, qtype, bias)  # (a copy unpickled has no kept copy: its caller makes one again)
+        self._kept = None if kp is None else kept.tiles
         self._fn = lib.lib.kvq_matmul_packed
-        self._template = (0, 0, k, k, w.data_ptr(), n, ldw, qt, bias.data_ptr() if bias is not None else 0, 0, n, 1)
+        self._template = (0, 0, k, k, w.data_ptr(), n, ldw, qt, bias.data_ptr() if bias is not None else 0, 0, n, 1,
+                          kp or 0)
         self._blocks: dict[int, tuple] = {}
 
     def __reduce__(self):

@@ -99,32 +99,11 @@ static inline __attribute__((always_inline)) float dot_kv(const float *q, const 
     return vf_hsum(vf_add(a0, a1)) + t;
 }
 
-/* Values of a piece for query heads h0 .. h0 + NH - 1 (NH <= 3), head size 64, lanes [c, c + 16): part[h][2 + c
- * + i] = the sum over positions, in order, of fma(p, v[c + i], .) (six accumulators, no spills); each value row's
- * 64-byte slice is read once for the NH heads. */
-static inline __attribute__((always_inline)) void values64(const void *vbase, const int64_t *offs, int64_t n,
-                                                           const float *s, float *part, int64_t h0, const int NH,
-                                                           int c, const int DT) {
-    vf a[3][2];
-    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = vf_zero();
-    for (int64_t i = 0; i < n; i++) {
-        const void *v = at(vbase, offs[i] + c, DT);
-        const vf v0 = load8(v, 0, DT), v1 = load8(v, 8, DT);
-        for (int h = 0; h < NH; h++) {
-            const vf w = vf_set1(s[(h0 + h) * n + i]);
-            a[h][0] = vf_fma(w, v0, a[h][0]);
-            a[h][1] = vf_fma(w, v1, a[h][1]);
-        }
-    }
-    for (int h = 0; h < NH; h++) {
-        vf_store(part + (h0 + h) * 66 + 2 + c, a[h][0]);
-        vf_store(part + (h0 + h) * 66 + 2 + c + 8, a[h][1]);
-    }
-}
-
+/* ---- piece64_rows' arithmetic, one definition per level: scores64_8 (the scaled scores of up to 8 positions for
+ * one query head) and values64_tile (a piece's values for every token of a tile and every head). Every level
+ * computes the same bits: the AVX-512 level's 16 lanes hold two 8-lane vectors side by side, each lane its own IEEE
+ * operations, and its sums add in the 8-lane code's order. ---- */
 #if KVQ_LEVEL >= 2
-/* ---- the AVX-512 level's 16 lanes for head size 64: two 8-lane vectors side by side, each lane its own IEEE
- * operations, so the results are piece64's general code's, bit for bit ---- */
 
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int DT) {
     if (DT == KV_F32) return _mm512_loadu_ps((const float *)p + i);
@@ -160,6 +139,95 @@ static inline __attribute__((always_inline)) void values64_16(const void *vbase,
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + (h0 + h) * 66 + 2 + 16 * c, a[h][c]);
 }
+
+/* Scores of the m <= 8 positions at offs (the rest 0) for query head qh: vf_hsum(a0 + a1) + 0 (dot_kv's empty
+ * scalar tail), times the scale, lane u position u. (tmp: the 8-lane code's scratch, not needed here.) */
+static inline __attribute__((always_inline)) vf scores64_8(const float *qh, const void *kb, const int64_t *offs,
+                                                           int m, float scale, float *tmp, const int DT) {
+    (void)tmp;
+    const __m512 q4[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
+                          _mm512_loadu_ps(qh + 48)};
+    __m512 z[8];
+    for (int u = 0; u < 8; u++) z[u] = u < m ? dot64_pair(q4, at(kb, offs[u], DT), DT) : _mm512_setzero_ps();
+    return vf_mul(vf_add(hsum_pairs8(z), vf_zero()), vf_set1(scale));
+}
+
+/* The values of tokens 0..nt-1 (token i: positions [p0, p1s[i]), weights s + i * G * CHUNK) into parts[i], all 64
+ * lanes of up to three heads at once. */
+static inline __attribute__((always_inline)) void values64_tile(const void *vb, const int64_t *offs, int nt,
+                                                                int64_t G, int64_t p0, const int64_t *p1s,
+                                                                const float *s, float *const *parts, const int DT) {
+    for (int i = 0; i < nt; i++) {
+        const int64_t n = p1s[i] - p0;
+        const float *si = s + i * G * CHUNK;
+        for (int64_t h = 0; h < G; h += 3) {
+            const int64_t nh = G - h < 3 ? G - h : 3;
+            if (nh == 3) values64_16(vb, offs, n, si, parts[i], h, 3, DT);
+            else if (nh == 2) values64_16(vb, offs, n, si, parts[i], h, 2, DT);
+            else values64_16(vb, offs, n, si, parts[i], h, 1, DT);
+        }
+    }
+}
+#else
+/* Values of a piece for query heads h0 .. h0 + NH - 1 (NH <= 3), head size 64, lanes [c, c + 16): part[h][2 + c
+ * + i] = the sum over positions, in order, of fma(p, v[c + i], .) (six accumulators, no spills); each value row's
+ * 64-byte slice is read once for the NH heads. */
+static inline __attribute__((always_inline)) void values64(const void *vbase, const int64_t *offs, int64_t n,
+                                                           const float *s, float *part, int64_t h0, const int NH,
+                                                           int c, const int DT) {
+    vf a[3][2];
+    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = vf_zero();
+    for (int64_t i = 0; i < n; i++) {
+        const void *v = at(vbase, offs[i] + c, DT);
+        const vf v0 = load8(v, 0, DT), v1 = load8(v, 8, DT);
+        for (int h = 0; h < NH; h++) {
+            const vf w = vf_set1(s[(h0 + h) * n + i]);
+            a[h][0] = vf_fma(w, v0, a[h][0]);
+            a[h][1] = vf_fma(w, v1, a[h][1]);
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        vf_store(part + (h0 + h) * 66 + 2 + c, a[h][0]);
+        vf_store(part + (h0 + h) * 66 + 2 + c + 8, a[h][1]);
+    }
+}
+
+/* scores64_8 in 8 lanes: per position, dot_kv's two accumulators (a0 the even groups of 8, a1 the odd ones) into
+ * row u of tmp (rows m..7 hold zeros), then one transpose-add of the 8 rows. */
+static inline __attribute__((always_inline)) vf scores64_8(const float *qh, const void *kb, const int64_t *offs,
+                                                           int m, float scale, float *tmp, const int DT) {
+    for (int u = 0; u < m; u++) {
+        const void *k = at(kb, offs[u], DT);
+        vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
+        vf a1 = vf_fma(vf_load(qh + 8), load8(k, 8, DT), vf_zero());
+        a0 = vf_fma(vf_load(qh + 16), load8(k, 16, DT), a0);
+        a1 = vf_fma(vf_load(qh + 24), load8(k, 24, DT), a1);
+        a0 = vf_fma(vf_load(qh + 32), load8(k, 32, DT), a0);
+        a1 = vf_fma(vf_load(qh + 40), load8(k, 40, DT), a1);
+        a0 = vf_fma(vf_load(qh + 48), load8(k, 48, DT), a0);
+        a1 = vf_fma(vf_load(qh + 56), load8(k, 56, DT), a1);
+        vf_store(tmp + 8 * u, vf_add(a0, a1));
+    }
+    /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
+    return vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(scale));
+}
+
+/* values64_tile in 16-lane slices (values64), a slice of every token and head before the next slice. */
+static inline __attribute__((always_inline)) void values64_tile(const void *vb, const int64_t *offs, int nt,
+                                                                int64_t G, int64_t p0, const int64_t *p1s,
+                                                                const float *s, float *const *parts, const int DT) {
+    for (int c = 0; c < 64; c += 16)
+        for (int i = 0; i < nt; i++) {
+            const int64_t n = p1s[i] - p0;
+            const float *si = s + i * G * CHUNK;
+            for (int64_t h = 0; h < G; h += 3) {
+                const int64_t nh = G - h < 3 ? G - h : 3;
+                if (nh == 3) values64(vb, offs, n, si, parts[i], h, 3, c, DT);
+                else if (nh == 2) values64(vb, offs, n, si, parts[i], h, 2, c, DT);
+                else values64(vb, offs, n, si, parts[i], h, 1, c, DT);
+            }
+        }
+}
 #endif
 
 #define WIDEN_MIN_TOKENS 4 /* tokens of a tile from which a bfloat16 piece is widened first */
@@ -194,30 +262,7 @@ static inline __attribute__((always_inline)) void piece64_rows(const struct kvq_
             for (int u = m; u < 8; u++) vf_store(tmp + 8 * u, vf_zero());
             const float *q = j->q + (t0 + i) * j->q_stride + g * G * 64;
             for (int64_t h = 0; h < G; h++) {
-                const float *qh = q + h * 64;
-#if KVQ_LEVEL >= 2
-                const __m512 q4[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
-                                      _mm512_loadu_ps(qh + 48)};
-                __m512 z[8];
-                for (int u = 0; u < 8; u++)
-                    z[u] = u < m ? dot64_pair(q4, at(kb, offs[i0 + u], DT), DT) : _mm512_setzero_ps();
-                const vf r = vf_mul(vf_add(hsum_pairs8(z), vf_zero()), vf_set1(j->scale));
-#else
-                for (int u = 0; u < m; u++) { /* dot_kv: a0 the even groups of 8, a1 the odd ones */
-                    const void *k = at(kb, offs[i0 + u], DT);
-                    vf a0 = vf_fma(vf_load(qh), load8(k, 0, DT), vf_zero());
-                    vf a1 = vf_fma(vf_load(qh + 8), load8(k, 8, DT), vf_zero());
-                    a0 = vf_fma(vf_load(qh + 16), load8(k, 16, DT), a0);
-                    a1 = vf_fma(vf_load(qh + 24), load8(k, 24, DT), a1);
-                    a0 = vf_fma(vf_load(qh + 32), load8(k, 32, DT), a0);
-                    a1 = vf_fma(vf_load(qh + 40), load8(k, 40, DT), a1);
-                    a0 = vf_fma(vf_load(qh + 48), load8(k, 48, DT), a0);
-                    a1 = vf_fma(vf_load(qh + 56), load8(k, 56, DT), a1);
-                    vf_store(tmp + 8 * u, vf_add(a0, a1));
-                }
-                /* vf_hsum(a0 + a1) + 0 (dot_kv's empty scalar tail), times the scale */
-                const vf r = vf_mul(vf_add(vf_hsum_each8(tmp), vf_zero()), vf_set1(j->scale));
-#endif
+                const vf r = scores64_8(q + h * 64, kb, offs + i0, m, j->scale, tmp, DT);
                 float *sh = s + i * G * CHUNK + h * n + i0;
                 if (m == 8) vf_store(sh, r);
                 else {
@@ -249,30 +294,7 @@ static inline __attribute__((always_inline)) void piece64_rows(const struct kvq_
             ph[1] = kvq_exp_shift_sum(sh, n, mx);
         }
     }
-#if KVQ_LEVEL >= 2
-    for (int i = 0; i < nt; i++) {
-        const int64_t n = p1s[i] - p0;
-        const float *si = s + i * G * CHUNK;
-        for (int64_t h = 0; h < G; h += 3) {
-            const int64_t nh = G - h < 3 ? G - h : 3;
-            if (nh == 3) values64_16(vb, offs, n, si, parts[i], h, 3, DT);
-            else if (nh == 2) values64_16(vb, offs, n, si, parts[i], h, 2, DT);
-            else values64_16(vb, offs, n, si, parts[i], h, 1, DT);
-        }
-    }
-#else
-    for (int c = 0; c < 64; c += 16)
-        for (int i = 0; i < nt; i++) {
-            const int64_t n = p1s[i] - p0;
-            const float *si = s + i * G * CHUNK;
-            for (int64_t h = 0; h < G; h += 3) {
-                const int64_t nh = G - h < 3 ? G - h : 3;
-                if (nh == 3) values64(vb, offs, n, si, parts[i], h, 3, c, DT);
-                else if (nh == 2) values64(vb, offs, n, si, parts[i], h, 2, c, DT);
-                else values64(vb, offs, n, si, parts[i], h, 1, c, DT);
-            }
-        }
-#endif
+    values64_tile(vb, offs, nt, G, p0, p1s, s, parts, DT);
 }
 
 /* piece64_rows over the cache rows of positions [p0, P1) of kv head g, found through the block table. With a

@@ -61,79 +61,107 @@ static inline __m512i v16i_hsum16x16(const int32_t *v) {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(r01, r23, _MM_SHUFFLE(2, 0, 2, 0)),
                             _mm512_shuffle_i32x4(r01, r23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-#endif
 
-static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *j, int64_t t, int64_t g, int64_t p0,
-                                                         int64_t p1, char *scr, float *part, const int DT,
-                                                         const int64_t G) {
-    const int64_t D = j->D, NG = D / KV_GROUP, n = p1 - p0, pos = j->tok_pos[t];
-    const int64_t npad = (n + 31) & ~(int64_t)31; /* <= CHUNK */
-    const int64_t *table = j->tables + j->tok_seq[t] * j->table_stride;
-    const float *q = j->q + t * j->q_stride + g * G * D;
-    const int64_t hoff = g * j->head_stride;
-    struct p8 L;
-    p8_layout(G, D, scr, &L);
-    { /* the job's fields in locals: the stores to L.off could alias them */
-        const int64_t BS = j->BS, bstride = j->block_stride, tstride = j->tok_stride;
-        int64_t *off = L.off;
-        for (int64_t p = p0, i = 0, bi = p0 / BS, o = p0 % BS; p < p1; p++, i++) {
-            off[i] = table[bi] * bstride + o * tstride + hoff;
-            if (++o == BS) o = 0, bi++;
-        }
-        for (int64_t i = n; i < npad; i++) off[i] = off[n - 1];
-    }
-    const float widen = DT == KV_FP8 ? 256.0f : 1.0f; /* vf_load_e4m3 reads values times 2^-8 */
-    {
-        const float *ksc = j->k_scale, *vsc = j->v_scale;
-        for (int64_t i = 0; i < npad; i++) {
-            const int64_t so = L.off[i] / KV_GROUP;
-            for (int64_t c = 0; c < NG; c++) {
-                L.ks[c * CHUNK + i] = ksc[so + c] * widen;
-                L.vs[c * CHUNK + i] = vsc[so + c] * widen;
-            }
-        }
-    }
-    for (int64_t h = 0; h < G; h++) { /* q into the cache's rotated space */
-        float *r = L.qf + h * D;
-        memcpy(r, q + h * D, sizeof(float) * (size_t)D);
-        rotate(r, D, 1.0f / KV_GROUP);
-        if (DT == KV_INT8)
-            for (int64_t c = 0; c < NG; c++) {
-                float amax = 0.0f;
-                for (int e = 0; e < KV_GROUP; e++) amax = fabsf(r[c * KV_GROUP + e]) > amax ? fabsf(r[c * KV_GROUP + e]) : amax;
-                L.qs[h * NG + c] = amax / 32767.0f;
-                round_i16_32(r + c * KV_GROUP, amax > 0.0f ? 32767.0f / amax : 0.0f, L.qi + h * D + c * KV_GROUP);
-            }
-    }
+#define P8_WIDE_INT8 1 /* int8 scores and values by scores16_int8 and values32_int8 */
 
-    /* scores, 8 positions at a time (int8 at the AVX-512 level: 16, below) */
-#if KVQ_LEVEL >= 2
-    if (DT == KV_INT8) { /* a group's 32 products in one vpmaddwd per head; 16 positions' sums by one transpose-add */
-        for (int64_t i0 = 0; i0 < n; i0 += 16) { /* i0 + 16 <= npad: padding rows repeat the last */
-            for (int64_t jj = 0; jj < 16; jj++) {
-                const int64_t i = i0 + jj;
-                const int8_t *kr = (const int8_t *)j->k + L.off[i];
-                if (i + 16 < npad) __builtin_prefetch((const int8_t *)j->k + L.off[i + 16]);
-                for (int64_t c = 0; c < NG; c++) {
-                    const __m512i kq = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + c * KV_GROUP)));
+/* The int8 scores, 16 positions at a time: a group's 32 products in one vpmaddwd per head, 16 positions' sums by
+ * one transpose-add; then the float operations of scores8, lane for lane. */
+static inline __attribute__((always_inline)) void scores16_int8(const struct kvq_attn *j, const struct p8 L,
+                                                                int64_t n, int64_t npad, int64_t D,
+                                                                const int64_t G, float *part, const int DT) {
+    (void)part, (void)DT;
+    const int64_t NG = D / KV_GROUP;
+    for (int64_t i0 = 0; i0 < n; i0 += 16) { /* i0 + 16 <= npad: padding rows repeat the last */
+        for (int64_t jj = 0; jj < 16; jj++) {
+            const int64_t i = i0 + jj;
+            const int8_t *kr = (const int8_t *)j->k + L.off[i];
+            if (i + 16 < npad) __builtin_prefetch((const int8_t *)j->k + L.off[i + 16]);
+            for (int64_t c = 0; c < NG; c++) {
+                const __m512i kq = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kr + c * KV_GROUP)));
 #pragma GCC unroll 8
-                    for (int64_t h = 0; h < G; h++)
-                        _mm512_storeu_si512(L.tmp + ((h * NG + c) * 16 + jj) * 16,
-                                            _mm512_madd_epi16(kq, _mm512_loadu_si512(L.qi + h * D + c * KV_GROUP)));
-                }
-            }
-            for (int64_t h = 0; h < G; h++) { /* the float operations of the 8-lane code below, lane for lane */
-                __m512 d = _mm512_setzero_ps();
-                for (int64_t c = 0; c < NG; c++) {
-                    const __m512 f = _mm512_cvtepi32_ps(v16i_hsum16x16(L.tmp + (h * NG + c) * 256));
-                    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(L.qs[h * NG + c]), _mm512_loadu_ps(L.ks + c * CHUNK + i0));
-                    d = c ? _mm512_fmadd_ps(f, sc, d) : _mm512_mul_ps(f, sc);
-                }
-                _mm512_storeu_ps(L.s + h * CHUNK + i0, _mm512_mul_ps(d, _mm512_set1_ps(j->scale)));
+                for (int64_t h = 0; h < G; h++)
+                    _mm512_storeu_si512(L.tmp + ((h * NG + c) * 16 + jj) * 16,
+                                        _mm512_madd_epi16(kq, _mm512_loadu_si512(L.qi + h * D + c * KV_GROUP)));
             }
         }
-    } else
+        for (int64_t h = 0; h < G; h++) { /* the float operations of scores8, lane for lane */
+            __m512 d = _mm512_setzero_ps();
+            for (int64_t c = 0; c < NG; c++) {
+                const __m512 f = _mm512_cvtepi32_ps(v16i_hsum16x16(L.tmp + (h * NG + c) * 256));
+                const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(L.qs[h * NG + c]), _mm512_loadu_ps(L.ks + c * CHUNK + i0));
+                d = c ? _mm512_fmadd_ps(f, sc, d) : _mm512_mul_ps(f, sc);
+            }
+            _mm512_storeu_ps(L.s + h * CHUNK + i0, _mm512_mul_ps(d, _mm512_set1_ps(j->scale)));
+        }
+    }
+}
+
+/* The int8 values, a group of 32 dimensions at a time, up to 4 heads' accumulators named so they stay in
+ * registers: the same exact int32 sums as values16's, then its product. */
+static inline __attribute__((always_inline)) void values32_int8(const struct kvq_attn *j, const struct p8 L,
+                                                                int64_t n, int64_t npad, int64_t D,
+                                                                const int64_t G, float *part, const int DT) {
+    (void)DT;
+    const int64_t NG = D / KV_GROUP;
+    const __m512i nat0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), nat1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t c = 0; c < NG; c++)
+        for (int64_t h0 = 0; h0 < G; h0 += 4) { /* up to 4 heads' accumulators, named so they stay in registers */
+            const int64_t nh = G - h0 < 4 ? G - h0 : 4;
+            /* 128-bit chunk L of lo: dimensions 8 L .. 8 L + 3 of the group; of hi: 8 L + 4 .. 8 L + 7 */
+            __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
+                    hi3 = lo0;
+            const int16_t *wq = L.wq + (h0 * NG + c) * CHUNK;
+            for (int64_t i = 0; i < n; i += 2) { /* n odd: the last pair's second row has weight 0 */
+                const int8_t *a = (const int8_t *)j->v + L.off[i] + c * KV_GROUP,
+                             *b = (const int8_t *)j->v + L.off[i + 1] + c * KV_GROUP;
+                if (i + 8 < npad) __builtin_prefetch((const int8_t *)j->v + L.off[i + 8] + c * KV_GROUP);
+                const __m512i A = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a)),
+                              B = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b));
+                const __m512i x0 = _mm512_unpacklo_epi16(A, B), x1 = _mm512_unpackhi_epi16(A, B);
+#define P8_VACC(k, lo, hi)                                                                                         \
+    if (nh > k) {                                                                                                  \
+        int32_t w;                                                                                                 \
+        memcpy(&w, wq + k * NG * CHUNK + i, sizeof w);                                                             \
+        const __m512i wv = _mm512_set1_epi32(w);                                                                   \
+        lo = _mm512_add_epi32(lo, _mm512_madd_epi16(x0, wv));                                                      \
+        hi = _mm512_add_epi32(hi, _mm512_madd_epi16(x1, wv));                                                      \
+    }
+                P8_VACC(0, lo0, hi0) P8_VACC(1, lo1, hi1) P8_VACC(2, lo2, hi2) P8_VACC(3, lo3, hi3)
+#undef P8_VACC
+            }
+            const __m512i los[4] = {lo0, lo1, lo2, lo3}, his[4] = {hi0, hi1, hi2, hi3};
+            for (int64_t k = 0; k < nh; k++) { /* exact int32 sums, the same as values16's; then its product */
+                const int64_t h = h0 + k;
+                const __m512 sc = _mm512_set1_ps(L.wsc[h * NG + c]);
+                float *o = part + h * (D + 2) + 2 + c * KV_GROUP;
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat0, his[k])), sc));
+                _mm512_storeu_ps(o + 16,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat1, his[k])), sc));
+            }
+        }
+}
+#else
+#define P8_WIDE_INT8 0 /* (the two below are never called at this level) */
+static inline __attribute__((always_inline)) void scores16_int8(const struct kvq_attn *j, const struct p8 L,
+                                                                int64_t n, int64_t npad, int64_t D,
+                                                                const int64_t G, float *part, const int DT) {
+    (void)j, (void)L, (void)n, (void)npad, (void)part, (void)DT, (void)G, (void)D;
+}
+
+static inline __attribute__((always_inline)) void values32_int8(const struct kvq_attn *j, const struct p8 L,
+                                                                int64_t n, int64_t npad, int64_t D,
+                                                                const int64_t G, float *part, const int DT) {
+    (void)j, (void)L, (void)n, (void)npad, (void)part, (void)DT, (void)G, (void)D;
+}
 #endif
+
+/* The scores, 8 positions at a time (one transpose-add instead of eight horizontal sums): int8 rows in exact int16
+ * dot products, fp8 rows widened and multiplied in float. */
+static inline __attribute__((always_inline)) void scores8(const struct kvq_attn *j, const struct p8 L,
+                                                          int64_t n, int64_t npad, int64_t D,
+                                                          const int64_t G, float *part, const int DT) {
+    (void)part;
+    const int64_t NG = D / KV_GROUP;
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         for (int64_t jj = 0; jj < 8; jj++) {
             const int64_t i = i0 + jj;
@@ -172,79 +200,13 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
             vf_store(L.s + h * CHUNK + i0, vf_mul(d, vf_set1(j->scale)));
         }
     }
+}
 
-    /* softmax of each head's scores; the weights p * v_scale per group (0 past n) */
-    for (int64_t h = 0; h < G; h++) {
-        float *sh = L.s + h * CHUNK;
-        if (j->slopes) {
-            const float slope = j->slopes[g * G + h];
-            for (int64_t i = 0; i < n; i++) sh[i] = sh[i] + slope * (float)(p0 + i - pos);
-        }
-        vf vmx = vf_set1(-INFINITY); /* a maximum is exact: 8 lanes, then the lanes, then the tail */
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) vmx = vf_max(vmx, vf_load(sh + i));
-        float mx = vf_hmax(vmx);
-        for (; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-        float *ph = part + h * (D + 2);
-        ph[0] = mx;
-        ph[1] = kvq_exp_shift_sum(sh, n, mx);
-        for (int64_t i = n; i < npad; i++) sh[i] = 0.0f;
-        for (int64_t c = 0; c < NG; c++) {
-            float *w = L.w + (h * NG + c) * CHUNK;
-            for (int64_t i = 0; i < npad; i += 8) vf_store(w + i, vf_mul(vf_load(sh + i), vf_load(L.vs + c * CHUNK + i)));
-            if (DT == KV_INT8) {
-                vf m = vf_zero();
-                for (int64_t i = 0; i < npad; i += 8) m = vf_max(m, vf_load(w + i));
-                const float wmax = vf_hmax(m);
-                L.wsc[h * NG + c] = wmax / 32767.0f;
-                for (int64_t i = 0; i < npad; i += KV_GROUP)
-                    round_i16_32(w + i, wmax > 0.0f ? 32767.0f / wmax : 0.0f, L.wq + (h * NG + c) * CHUNK + i);
-            }
-        }
-    }
-
-    /* values, 16 dimensions at a time, every head's accumulators in registers (int8 at the AVX-512 level: a group of
-     * 32 at a time, below) */
-#if KVQ_LEVEL >= 2
-    if (DT == KV_INT8) {
-        const __m512i nat0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), nat1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-        for (int64_t c = 0; c < NG; c++)
-            for (int64_t h0 = 0; h0 < G; h0 += 4) { /* up to 4 heads' accumulators, named so they stay in registers */
-                const int64_t nh = G - h0 < 4 ? G - h0 : 4;
-                /* 128-bit chunk L of lo: dimensions 8 L .. 8 L + 3 of the group; of hi: 8 L + 4 .. 8 L + 7 */
-                __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
-                        hi3 = lo0;
-                const int16_t *wq = L.wq + (h0 * NG + c) * CHUNK;
-                for (int64_t i = 0; i < n; i += 2) { /* n odd: the last pair's second row has weight 0 */
-                    const int8_t *a = (const int8_t *)j->v + L.off[i] + c * KV_GROUP,
-                                 *b = (const int8_t *)j->v + L.off[i + 1] + c * KV_GROUP;
-                    if (i + 8 < npad) __builtin_prefetch((const int8_t *)j->v + L.off[i + 8] + c * KV_GROUP);
-                    const __m512i A = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a)),
-                                  B = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b));
-                    const __m512i x0 = _mm512_unpacklo_epi16(A, B), x1 = _mm512_unpackhi_epi16(A, B);
-#define P8_VACC(k, lo, hi)                                                                                         \
-    if (nh > k) {                                                                                                  \
-        int32_t w;                                                                                                 \
-        memcpy(&w, wq + k * NG * CHUNK + i, sizeof w);                                                             \
-        const __m512i wv = _mm512_set1_epi32(w);                                                                   \
-        lo = _mm512_add_epi32(lo, _mm512_madd_epi16(x0, wv));                                                      \
-        hi = _mm512_add_epi32(hi, _mm512_madd_epi16(x1, wv));                                                      \
-    }
-                    P8_VACC(0, lo0, hi0) P8_VACC(1, lo1, hi1) P8_VACC(2, lo2, hi2) P8_VACC(3, lo3, hi3)
-#undef P8_VACC
-                }
-                const __m512i los[4] = {lo0, lo1, lo2, lo3}, his[4] = {hi0, hi1, hi2, hi3};
-                for (int64_t k = 0; k < nh; k++) { /* exact int32 sums, the same as the 8-lane code's; then its product */
-                    const int64_t h = h0 + k;
-                    const __m512 sc = _mm512_set1_ps(L.wsc[h * NG + c]);
-                    float *o = part + h * (D + 2) + 2 + c * KV_GROUP;
-                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat0, his[k])), sc));
-                    _mm512_storeu_ps(o + 16,
-                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi64(los[k], nat1, his[k])), sc));
-                }
-            }
-    } else
-#endif
+/* The values, 16 dimensions at a time, every head's accumulators in registers (up to 4 heads at a time). */
+static inline __attribute__((always_inline)) void values16(const struct kvq_attn *j, const struct p8 L,
+                                                           int64_t n, int64_t npad, int64_t D,
+                                                           const int64_t G, float *part, const int DT) {
+    const int64_t NG = D / KV_GROUP;
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const int64_t c = d0 / KV_GROUP;
         if (DT == KV_INT8) {
@@ -302,6 +264,87 @@ static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *
             }
         }
     }
+}
+
+static inline __attribute__((always_inline)) void piece8(const struct kvq_attn *j, int64_t t, int64_t g, int64_t p0,
+                                                         int64_t p1, char *scr, float *part, const int DT,
+                                                         const int64_t G) {
+    const int64_t D = j->D, NG = D / KV_GROUP, n = p1 - p0, pos = j->tok_pos[t];
+    const int64_t npad = (n + 31) & ~(int64_t)31; /* <= CHUNK */
+    const int64_t *table = j->tables + j->tok_seq[t] * j->table_stride;
+    const float *q = j->q + t * j->q_stride + g * G * D;
+    const int64_t hoff = g * j->head_stride;
+    struct p8 L;
+    p8_layout(G, D, scr, &L);
+    { /* the job's fields in locals: the stores to L.off could alias them */
+        const int64_t BS = j->BS, bstride = j->block_stride, tstride = j->tok_stride;
+        int64_t *off = L.off;
+        for (int64_t p = p0, i = 0, bi = p0 / BS, o = p0 % BS; p < p1; p++, i++) {
+            off[i] = table[bi] * bstride + o * tstride + hoff;
+            if (++o == BS) o = 0, bi++;
+        }
+        for (int64_t i = n; i < npad; i++) off[i] = off[n - 1];
+    }
+    const float widen = DT == KV_FP8 ? 256.0f : 1.0f; /* vf_load_e4m3 reads values times 2^-8 */
+    {
+        const float *ksc = j->k_scale, *vsc = j->v_scale;
+        for (int64_t i = 0; i < npad; i++) {
+            const int64_t so = L.off[i] / KV_GROUP;
+            for (int64_t c = 0; c < NG; c++) {
+                L.ks[c * CHUNK + i] = ksc[so + c] * widen;
+                L.vs[c * CHUNK + i] = vsc[so + c] * widen;
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) { /* q into the cache's rotated space */
+        float *r = L.qf + h * D;
+        memcpy(r, q + h * D, sizeof(float) * (size_t)D);
+        rotate(r, D, 1.0f / KV_GROUP);
+        if (DT == KV_INT8)
+            for (int64_t c = 0; c < NG; c++) {
+                float amax = 0.0f;
+                for (int e = 0; e < KV_GROUP; e++) amax = fabsf(r[c * KV_GROUP + e]) > amax ? fabsf(r[c * KV_GROUP + e]) : amax;
+                L.qs[h * NG + c] = amax / 32767.0f;
+                round_i16_32(r + c * KV_GROUP, amax > 0.0f ? 32767.0f / amax : 0.0f, L.qi + h * D + c * KV_GROUP);
+            }
+    }
+
+    /* scores (int8 at the AVX-512 level: 16 positions at a time), then softmax, then values */
+    if (P8_WIDE_INT8 && DT == KV_INT8) scores16_int8(j, L, n, npad, D, G, part, DT);
+    else scores8(j, L, n, npad, D, G, part, DT);
+
+    /* softmax of each head's scores; the weights p * v_scale per group (0 past n) */
+    for (int64_t h = 0; h < G; h++) {
+        float *sh = L.s + h * CHUNK;
+        if (j->slopes) {
+            const float slope = j->slopes[g * G + h];
+            for (int64_t i = 0; i < n; i++) sh[i] = sh[i] + slope * (float)(p0 + i - pos);
+        }
+        vf vmx = vf_set1(-INFINITY); /* a maximum is exact: 8 lanes, then the lanes, then the tail */
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) vmx = vf_max(vmx, vf_load(sh + i));
+        float mx = vf_hmax(vmx);
+        for (; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+        float *ph = part + h * (D + 2);
+        ph[0] = mx;
+        ph[1] = kvq_exp_shift_sum(sh, n, mx);
+        for (int64_t i = n; i < npad; i++) sh[i] = 0.0f;
+        for (int64_t c = 0; c < NG; c++) {
+            float *w = L.w + (h * NG + c) * CHUNK;
+            for (int64_t i = 0; i < npad; i += 8) vf_store(w + i, vf_mul(vf_load(sh + i), vf_load(L.vs + c * CHUNK + i)));
+            if (DT == KV_INT8) {
+                vf m = vf_zero();
+                for (int64_t i = 0; i < npad; i += 8) m = vf_max(m, vf_load(w + i));
+                const float wmax = vf_hmax(m);
+                L.wsc[h * NG + c] = wmax / 32767.0f;
+                for (int64_t i = 0; i < npad; i += KV_GROUP)
+                    round_i16_32(w + i, wmax > 0.0f ? 32767.0f / wmax : 0.0f, L.wq + (h * NG + c) * CHUNK + i);
+            }
+        }
+    }
+
+    if (P8_WIDE_INT8 && DT == KV_INT8) values32_int8(j, L, n, npad, D, G, part, DT);
+    else values16(j, L, n, npad, D, G, part, DT);
 }
 
 /* The fast piece with the head count a constant for the common group sizes (accumulators in registers). */

@@ -19,13 +19,13 @@
 /* y[B, N] = x @ W^T for a projection of N output columns: one matrix, or parts side by side (each part's columns
  * computed by the same kernel a matmul of that part alone runs, so the bits are the per-op path's). */
 static int project(const float *x, int64_t B, int64_t K, const uint8_t *w, int64_t N, int64_t ldw, int qt,
-                   const struct kvq_part *parts, int nparts, float *y, int nthreads) {
-    if (nparts <= 0) return kvq_matmul(x, B, K, K, w, N, ldw, qt, NULL, y, N, nthreads);
+                   const uint8_t *kept, const struct kvq_part *parts, int nparts, float *y, int nthreads) {
+    if (nparts <= 0) return kvq_matmul(x, B, K, K, w, N, ldw, qt, kept, NULL, y, N, nthreads);
     int64_t col = 0;
     for (int i = 0; i < nparts; i++) {
         if (col + parts[i].rows > N) return KVQ_EBADSHAPE;
-        const int rc = kvq_matmul(x, B, K, K, parts[i].w, parts[i].rows, parts[i].ldw, parts[i].qt, NULL, y + col, N,
-                                  nthreads);
+        const int rc = kvq_matmul(x, B, K, K, parts[i].w, parts[i].rows, parts[i].ldw, parts[i].qt, parts[i].kept,
+                                  NULL, y + col, N, nthreads);
         if (rc) return rc;
         col += parts[i].rows;
     }
@@ -53,7 +53,7 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         rc = KVQ_ENOMEM;
         goto done;
     }
-    rc = kvq_matmul(h, B, hid, hid, p->router, E, p->router_ldw, p->router_qt, NULL, logits, E, nthreads);
+    rc = kvq_matmul(h, B, hid, hid, p->router, E, p->router_ldw, p->router_qt, NULL, NULL, logits, E, nthreads);
     if (rc) goto done;
     rc = kvq_moe_route(logits, B, E, k, p->renorm, w, ex);
     if (rc) goto done;
@@ -68,8 +68,8 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         const int64_t c = start[e] - a;
         if (!c) continue;
         const struct kvq_expert *x = p->experts + e;
-        rc = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_parts,
-                     x->gate_up_nparts, gu + a * 2 * I, nthreads);
+        rc = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_kept,
+                     x->gate_up_parts, x->gate_up_nparts, gu + a * 2 * I, nthreads);
         if (rc) goto done;
     }
     kvq_silu_mul_rows(gu, n, I, 2 * I, act, nthreads);
@@ -77,8 +77,8 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         const int64_t c = start[e] - a;
         if (!c) continue;
         const struct kvq_expert *x = p->experts + e;
-        rc = kvq_matmul(act + a * I, c, I, I, x->down, hid, x->down_ldw, x->down_qt, NULL, out + a * hid, hid,
-                        nthreads);
+        rc = kvq_matmul(act + a * I, c, I, I, x->down, hid, x->down_ldw, x->down_qt, x->down_kept, NULL,
+                        out + a * hid, hid, nthreads);
         if (rc) goto done;
     }
     for (int64_t b = 0; b < B; b++) {
@@ -110,7 +110,8 @@ int kvq_decode_step(const struct kvq_decode *d) {
         if (d->lens[b] > d->rope_rows) return KVQ_EBADSHAPE;
     }
     if (d->embed) {
-        const int rc = kvq_embed_rows(d->embed, d->embed_ldw, d->embed_qt, d->ids, B, d->vocab, hid, d->x);
+        const int rc = kvq_embed_rows(d->embed, d->embed_ldw, d->embed_qt, d->embed_kept, d->ids, B, d->vocab, hid,
+                                     d->x);
         if (rc) return rc;
     }
     float *h = (float *)malloc(sizeof(float) * (size_t)(B * hid));
@@ -129,7 +130,8 @@ int kvq_decode_step(const struct kvq_decode *d) {
     for (int64_t l = 0; l < d->L && rc == KVQ_OK; l++) {
         const struct kvq_decode_layer *p = d->layers + l;
         kvq_rms_norm(d->x, B, hid, p->attn_norm, h, hid, hid, d->eps, 1);
-        rc = project(h, B, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, p->qkv_parts, p->qkv_nparts, qkv, d->nthreads);
+        rc = project(h, B, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, p->qkv_kept, p->qkv_parts, p->qkv_nparts, qkv,
+                     d->nthreads);
         if (rc) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
@@ -153,7 +155,7 @@ int kvq_decode_step(const struct kvq_decode *d) {
                                    d->scale, d->nthreads, d->kv_dtype};
         rc = kvq_attention(&j);
         if (rc) break;
-        rc = kvq_matmul(att, B, qs, qs, p->o, hid, p->o_ldw, p->o_qt, NULL, y, hid, d->nthreads);
+        rc = kvq_matmul(att, B, qs, qs, p->o, hid, p->o_ldw, p->o_qt, p->o_kept, NULL, y, hid, d->nthreads);
         if (rc) break;
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
 
@@ -164,19 +166,20 @@ int kvq_decode_step(const struct kvq_decode *d) {
             for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
             continue;
         }
-        rc = project(h, B, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, p->gate_up_parts,
-                     p->gate_up_nparts, gu, d->nthreads);
+        rc = project(h, B, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, p->gate_up_kept,
+                     p->gate_up_parts, p->gate_up_nparts, gu, d->nthreads);
         if (rc) break;
         kvq_silu_mul_rows(gu, B, inter, 2 * inter, act, d->nthreads);
-        rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, NULL, y, hid, d->nthreads);
+        rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, p->down_kept, NULL, y, hid,
+                        d->nthreads);
         if (rc) break;
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
     }
     if (rc == KVQ_OK && d->final_norm) {
         kvq_rms_norm(d->x, B, hid, d->final_norm, d->out, hid, hid, d->final_eps, 1);
         if (d->head)
-            rc = kvq_matmul(d->out, B, hid, hid, d->head, d->head_rows, d->head_ldw, d->head_qt, NULL, d->logits,
-                            d->head_rows, d->nthreads);
+            rc = kvq_matmul(d->out, B, hid, hid, d->head, d->head_rows, d->head_ldw, d->head_qt, d->head_kept, NULL,
+                            d->logits, d->head_rows, d->nthreads);
     }
 done:
     free(h), free(qkv), free(att), free(gu), free(act), free(y), free(seq), free(pos);

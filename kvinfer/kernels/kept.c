@@ -1,56 +1,8 @@
-/* A weight's kept copy: the registry that finds it by the weight's address (every level), and, at the avx512 level
- * built with the AMX flags, the 16-column layout of Q4_0 / Q4_1 / Q8_0 weights (layout in matmul.h, above
- * kept_qbytes), its packing and its readback as GGUF bytes. The K-quants' copies are kquants_kept.c's; the routes
- * that read a copy are qmatmul.c's kept_rows and amx/. */
+/* A weight's kept copy at the avx512 level built with the AMX flags: the 16-column layout of Q4_0 / Q4_1 / Q8_0
+ * weights (layout in matmul.h, above kept_qbytes), its packing and its readback as GGUF bytes. The K-quants' copies
+ * are kquants_kept.c's; the routes that read a copy are qmatmul.c's kept_rows and amx/. A copy is not looked up: the
+ * caller keeps it beside its weight and passes both in every call (kvq_matmul's kept), as it passes the bias. */
 #include "matmul.h"
-
-#include <pthread.h>
-
-#define AMX_KEPT_MAX 4096
-static struct amx_kept {
-    const uint8_t *w, *tiles;
-    int64_t N, K, ldw;
-    int qt;
-} amx_kept[AMX_KEPT_MAX];
-static int amx_nkept;
-static pthread_mutex_t amx_kept_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* tiles != NULL: matmuls of w (N x K, ldw, qt) read their tiles from it (kvq_amx_tiles_pack's output, kept alive
- * by the caller until it registers NULL for w). Every level keeps the registry; which types have a kept layout
- * depends on the level (kvq_amx_tiles_bytes). */
-int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles) {
-    int rc = KVQ_OK;
-    pthread_mutex_lock(&amx_kept_lock);
-    int i = 0;
-    while (i < amx_nkept && amx_kept[i].w != w) i++;
-    if (!tiles) {
-        if (i < amx_nkept) {
-            amx_kept[i] = amx_kept[amx_nkept - 1];
-            __atomic_store_n(&amx_nkept, amx_nkept - 1, __ATOMIC_RELAXED);
-        }
-    } else if (i == AMX_KEPT_MAX) {
-        rc = KVQ_ENOMEM;
-    } else {
-        amx_kept[i] = (struct amx_kept){w, tiles, N, K, ldw, qt};
-        if (i == amx_nkept) __atomic_store_n(&amx_nkept, amx_nkept + 1, __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&amx_kept_lock);
-    return rc;
-}
-
-const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt) {
-    if (__atomic_load_n(&amx_nkept, __ATOMIC_RELAXED) == 0) return NULL;
-    const uint8_t *t = NULL;
-    pthread_mutex_lock(&amx_kept_lock);
-    for (int i = 0; i < amx_nkept; i++)
-        if (amx_kept[i].w == w) {
-            const struct amx_kept *e = &amx_kept[i];
-            if (e->N == N && e->K == K && e->ldw == ldw && e->qt == qt) t = e->tiles;
-            break;
-        }
-    pthread_mutex_unlock(&amx_kept_lock);
-    return t;
-}
 
 #ifdef KVQ_HAVE_AMX
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {

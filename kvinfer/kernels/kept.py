@@ -1,10 +1,10 @@
-"""A quantised weight's kept copy (KeptTiles): laid out once for the VNNI and AMX routes, registered with the
-library under the weight's address, and able to give the weight's own pages back (and restore them)."""
+"""A quantised weight's kept copy (KeptTiles): laid out once for the VNNI and AMX routes, passed to the library
+beside the weight in every call that reads it, and able to give the weight's own pages back (and restore them)."""
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -42,13 +42,14 @@ def _libc():
 
 
 class KeptTiles:
-    """A weight's copy in AMX tile layout, registered with the library under the weight's address (by
-    Kernels.keep_tiles) for as long as this object lives. It holds the weight too, so that the address cannot be
-    reused meanwhile; the weight's bytes must not change while it is kept.
+    """A weight's copy in tile layout (made by Kernels.keep_tiles), which the C calls that read the weight take
+    beside it: the owner (a QuantLinear, the fused decode job) passes `ptr` as the calls' kept argument, as it passes
+    the bias; C keeps no table of copies. It holds the weight too, whose bytes must not change while it is kept.
 
-    With dropped set, the weight's own pages were given back once packed (every kernel that reads the weight finds
-    the copy: matmuls and embedding rows); restore_source() writes the GGUF bytes back from the copy for readers
-    outside the kernels (dequantization, sharding), and release() does so before unregistering."""
+    With dropped set, the weight's own pages were given back once packed, so every kernel call that reads the
+    weight must be passed the copy (matmuls and embedding rows read it instead); restore_source() writes the GGUF
+    bytes back from the copy for readers outside the kernels (dequantization, sharding), and release() does so
+    before dropping the copy."""
 
     __slots__ = ("_lib", "weight", "tiles", "qtype", "n", "k", "dropped", "__weakref__")
 
@@ -60,6 +61,20 @@ class KeptTiles:
     @property
     def nbytes(self) -> int:
         return self.tiles.numel()
+
+    @property
+    def ptr(self) -> Optional[int]:
+        """The copy's address for a C call's kept argument (None once released)."""
+        return None if self.tiles is None else self.tiles.data_ptr()
+
+    def ptr_for(self, lib: "Kernels", w: torch.Tensor, n: int, k: int, qtype: str) -> Optional[int]:
+        """ptr, after checking that this is the copy of w (n rows of k qtype values) laid out for lib's level: a
+        copy's layout is its level's, and C trusts the pointer it is given. ValueError otherwise."""
+        if (lib.level != self._lib.level or w.data_ptr() != self.weight.data_ptr()
+                or (n, k, qtype) != (self.n, self.k, self.qtype)):
+            raise ValueError(f"this kept copy ({self.n}x{self.k} {self.qtype}, level {self._lib.level}) is not the "
+                             f"copy of a {n}x{k} {qtype} weight at {w.data_ptr():#x} for level {lib.level}")
+        return self.ptr
 
     def restore_source(self) -> None:
         """Makes the weight's GGUF bytes resident again (if they were dropped), from the copy."""
@@ -75,21 +90,13 @@ class KeptTiles:
         return self.dropped
 
     def release(self, restore: bool = True) -> None:
-        """Unregisters the copy (matmuls of the weight go back to unpacking per call), first writing the weight's
-        dropped GGUF bytes back from it unless restore is False (the weight is going away too)."""
+        """Drops this object's reference to the copy (calls made without it unpack the weight per call), first
+        writing the weight's dropped GGUF bytes back from it unless restore is False (the weight is going away
+        too). A prepared call that was given ptr holds the copy's tensor itself and must be dropped as well."""
         if self.tiles is not None:
             if restore:
                 self.restore_source()
-            self._lib.lib.kvq_amx_tiles_register(self.weight.data_ptr(), 0, 0, 0, 0, None)
             self.tiles = None
-
-    def __del__(self):
-        # Collected with its layer (which holds it as long as the weight is read): the dropped pages are not
-        # written back, which at a model's teardown would bring every weight's bytes back just to free them.
-        try:
-            self.release(restore=False)
-        except Exception:  # interpreter shutdown: the library may be gone already
-            pass
 
 
 def _restore(lib: "Kernels", tiles: torch.Tensor, w: torch.Tensor, n: int, k: int, qtype: str) -> None:

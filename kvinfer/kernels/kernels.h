@@ -13,22 +13,24 @@ enum { QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_1 = 7, QT_Q8_0 = 
 enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
 #define KV_IS_8BIT(dt) ((dt) == KV_INT8 || (dt) == KV_FP8)
 
-/* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k] (+ bias[n]); W rows of ldw bytes of type qt. */
+/* y[r * ldy + n] = sum_k x[r * ldx + k] * W[n, k] (+ bias[n]); W rows of ldw bytes of type qt. kept: W's kept copy
+ * (kvq_amx_tiles_pack's output for exactly this W, made by this level's library), or NULL. A copy travels with its
+ * weight in every call that reads the weight, as the bias does: the routes that have a kept layout read it instead
+ * of W's rows (which may have been dropped), the others ignore it; the bits are the same either way. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
-               const float *bias, float *y, int64_t ldy, int nthreads);
+               const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads);
 
 /* K-quant super-blocks (kquants.c; kvq_matmul and kvq_embed_rows hand them over), and the activations' int16
  * rounding per block of 32 they share with qmatmul.c. */
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
-                  int qt, const float *bias, float *y, int64_t ldy, int nthreads);
+                  int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads);
 int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out);
 void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx);
-/* The avx512 level's kept copies: K-quant weights laid out once for VNNI (kquants.c; kvq_amx_tiles_bytes / pack hand
- * them over, 0 bytes / KVQ_EBADTYPE at the other levels), the registry lookup (kept.c: the copy registered for
- * exactly this weight, or NULL) and the activations' two bytes per int16 (hi + 128, lo; 64 bytes per block of 32). */
+/* The kept copies of K-quant weights, laid out once for byte dot products (kquants_kept.c; kvq_amx_tiles_bytes /
+ * pack hand them over, 0 bytes / KVQ_EBADTYPE at the generic level), and the activations' two bytes per int16
+ * (hi + 128, lo; 64 bytes per block of 32). */
 int64_t kvq_kq_kept_bytes(int64_t N, int64_t K, int qt);
 int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
-const uint8_t *kvq_kept_lookup(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt);
 /* Rows ids[0..n) of a kept weight as the GGUF bytes it was packed from (out: n rows ldo bytes apart), so that
  * the source rows may be dropped: Q4_0, Q4_1, Q8_0, Q3_K..Q6_K and IQ4_XS; KVQ_EBADTYPE for other types and levels. */
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
@@ -38,19 +40,18 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
 void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu);
 
 /* AMX tiles (amx/qmatmul_int8.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level
- * a quantised weight may be kept in tile layout (kept.c: bytes, pack) and registered under its address (tiles NULL:
- * unregister); both the AMX and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE). */
+ * a quantised weight may be kept in tile layout (kept.c: bytes, pack) and passed as kvq_matmul's kept; both the AMX
+ * and the vector route then read that copy (the other levels return 0 bytes / KVQ_EBADTYPE but for K-quants). */
 int kvq_amx_enable(int on);
 int kvq_amx_min_rows(void); /* rows from which a quantised matmul runs on the tiles (0: no tiles) */
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt);
 int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, uint8_t *dst, int nthreads);
-int kvq_amx_tiles_register(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt, const uint8_t *tiles);
 /* Prompt rows on AMX bfloat16 tiles over a kept weight (exact per CPU; see amx/qmatmul_bf16.c): enable (on as above;
  * needs the int8 tiles on, AMX-BF16 and AVX512_BF16), then kvq_matmul's arguments; KVQ_EBADTYPE when the route
  * is off or the weight has no kept copy. */
 int kvq_amx_bf16_enable(int on);
 int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
-                      int qt, const float *bias, float *y, int64_t ldy, int nthreads);
+                      int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads);
 
 /* Attention of T query tokens over a KV cache addressed through block tables; see attn.c. */
 struct kvq_attn {
@@ -103,11 +104,12 @@ int kvq_moe_route(const float *logits, int64_t rows, int64_t E, int64_t k, int r
 
 /* A whole decode step of a Llama-style quantised model (decode_step.c). */
 /* One part of a fused projection whose parts differ in type (Q4_K_M's q/k/v in Q4_K and Q6_K): rows output
- * columns, side by side with the other parts'. */
+ * columns, side by side with the other parts'; kept: w's kept copy or NULL (kvq_matmul's kept). */
 struct kvq_part {
     const uint8_t *w;
     int64_t rows, ldw;
     int32_t qt;
+    const uint8_t *kept;
 };
 #define KVQ_MAX_PARTS 3
 /* One expert of a mixture-of-experts layer: its fused gate-up (2 * expert_inter rows, or parts) and its down. */
@@ -117,6 +119,7 @@ struct kvq_expert {
     int32_t gate_up_qt, down_qt;
     struct kvq_part gate_up_parts[KVQ_MAX_PARTS];
     int32_t gate_up_nparts;
+    const uint8_t *gate_up_kept, *down_kept; /* the matrices' kept copies, or NULL */
 };
 struct kvq_decode_layer {
     const float *attn_norm, *ffn_norm;
@@ -138,6 +141,7 @@ struct kvq_decode_layer {
     const uint8_t *router;
     int64_t router_ldw, n_experts, top_k, expert_inter;
     int32_t router_qt, renorm;
+    const uint8_t *qkv_kept, *o_kept, *gate_up_kept, *down_kept; /* the matrices' kept copies, or NULL */
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */
@@ -160,6 +164,7 @@ struct kvq_decode {
     int64_t head_ldw, head_rows;
     int32_t head_qt;
     float *logits;                             /* [B, head_rows] */
+    const uint8_t *embed_kept, *head_kept;     /* their kept copies, or NULL */
 };
 int kvq_decode_step(const struct kvq_decode *d);
 int64_t kvq_argmax_row(const float *row, int64_t n);
@@ -182,8 +187,8 @@ int kvq_sample_probs(const float *logits, int64_t n, float temperature, int64_t 
                      float *probs, float *work);
 int kvq_decode_steps(const struct kvq_decode *d, int64_t nsteps, const int64_t *stop_ids, int64_t nstop,
                      const struct kvq_sampling *sp, float *logits_all, int64_t *tokens);
-int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
-                   float *out);
+int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const uint8_t *kept, const int64_t *ids, int64_t n,
+                   int64_t N, int64_t K, float *out);
 
 int kvq_level(void);
 /* Type qt's elements and bytes per block (either pointer may be NULL): returns 1 when this level keeps a copy of

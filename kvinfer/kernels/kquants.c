@@ -22,17 +22,6 @@
 
 #define KQ_MIN_BYTES_PER_THREAD (16 * 1024)
 
-/* Lane l: q[2l] x[2l] + q[2l + 1] x[2l + 1] (exact). */
-static inline vi dot16(const int16_t *q, const int16_t *x) {
-#if KVQ_LEVEL >= 1
-    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)q), _mm256_loadu_si256((const __m256i *)x));
-#else
-    vi r;
-    for (int l = 0; l < 8; l++) r.v[l] = (int32_t)q[2 * l] * x[2 * l] + (int32_t)q[2 * l + 1] * x[2 * l + 1];
-    return r;
-#endif
-}
-
 #if KVQ_LEVEL >= 1
 static inline __m256i u8x16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 static inline void st16(int16_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
@@ -354,7 +343,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 if (kq_sub16(qt)) {
                     for (int t = 0; t < 16; t++) {
                         vi p[KG];
-                        for (int u = 0; u < KG; u++) p[u] = dot16(q + u * QK_K + 16 * t, xr + 16 * t);
+                        for (int u = 0; u < KG; u++) p[u] = vs_madd16(q + u * QK_K + 16 * t, xr + 16 * t);
                         a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t / 2])), a);
                         if (qt == QT_Q2_K)
                             a = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[r * (j->K / 16) + s * 16 + t]), a);
@@ -364,7 +353,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                         vi p[KG];
                         for (int u = 0; u < KG; u++) {
                             const int16_t *qu = q + u * QK_K + 32 * t;
-                            p[u] = vi_add(dot16(qu, xr + 32 * t), dot16(qu + 16, xr + 32 * t + 16));
+                            p[u] = vi_add(vs_madd16(qu, xr + 32 * t), vs_madd16(qu + 16, xr + 32 * t + 16));
                         }
                         a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t])), a);
                         if (qt != QT_IQ4_XS) a = vf_fnma(vf_load(dm[t]), vf_set1(sxr[t]), a);
@@ -397,7 +386,7 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
 }
 
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
-                  int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
+                  int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
     const int bb = kq_block_bytes(qt);
     if (!bb) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || K % QK_K || ldx < K || ldy < N) return KVQ_EBADSHAPE;
@@ -428,7 +417,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
-    const uint8_t *kept = KC_OWN_ROWS >= 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    if (KC_OWN_ROWS < 0 || !kvq_type_kept(qt)) kept = NULL; /* (no kept layout at this level, or for this type) */
     /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
      * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
     if (kept && M > KC_OWN_ROWS) {

@@ -37,7 +37,7 @@ struct kq_job {
 
 #if KVQ_LEVEL >= 1
 /* ---- kept copies (the avx2 and avx512 levels): the super-blocks of KC output columns laid out once ----
- * kvq_amx_tiles_pack hands K-quant weights here, and kvq_kq_matmul reads the registered copy instead of the GGUF
+ * kvq_amx_tiles_pack hands K-quant weights here, and kvq_kq_matmul reads the copy it is passed instead of the GGUF
  * rows. Per group of KC columns (16 at the avx512 level, 8 at avx2), super-block after super-block (kc_sb_bytes
  * each, a multiple of 64), in rows of R = 4 KC bytes (4 bytes of each column):
  *   Q4_K / Q5_K: the 128 quant bytes as 32 rows (row 8c + k: bytes 32c + 4k..32c + 4k + 3 of each column: low
@@ -88,7 +88,7 @@ static inline int kc_sb_bytes(int qt) {
 
 /* This level's kept-copy routes, in one place: up to KC_OWN_ROWS rows the copy's own route (kvqi_kc_cols, byte
  * products) runs; above them (avx2) kq_cols reads the copy as it reads GGUF rows. The generic level keeps no copy
- * (KC_OWN_ROWS < 0: none is looked up). */
+ * (KC_OWN_ROWS < 0: a copy passed is not read). */
 #if KVQ_LEVEL >= 2
 #define KC_OWN_ROWS INT64_MAX
 #elif KVQ_LEVEL == 1

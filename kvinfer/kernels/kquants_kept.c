@@ -154,6 +154,9 @@ typedef __m512 kc_vf;
 #define kc_half(p) _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(p)))
 #define kc_u8f(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p))))
 #define kc_i8f(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(p))))
+/* 16 bytes at p in every 128-bit lane; bytes of a looked up in such a table, per 128-bit lane (vpshufb) */
+#define kc_bcast16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define kc_lookup8(tbl, a) _mm512_shuffle_epi8(tbl, a)
 
 /* sum over k in [k0, k0 + n) of the 4 bytes at xb + 4k times W[k], per column (vpdpbusd, two chains). */
 static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
@@ -192,6 +195,8 @@ typedef __m256 kc_vf;
 #define kc_half(p) _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(p)))
 #define kc_u8f(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define kc_i8f(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define kc_bcast16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define kc_lookup8(tbl, a) _mm256_shuffle_epi8(tbl, a)
 
 /* kc_dot without VNNI: vpmaddubsw gives the int16 sums of two products (|sum| <= 2 * 255 * 32 here), two of
  * them add without overflow, and vpmaddwd with ones widens to the column's int32. */
@@ -274,16 +279,16 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
             }
             continue;
         }
-#if KVQ_LEVEL >= 2
-        if (qt == QT_IQ4_XS) { /* the nibbles looked up in the table (vpshufb per 128-bit lane), then as Q4_K */
+        if (qt == QT_IQ4_XS) { /* the nibbles looked up in the table (vpshufb per 128-bit lane), then as Q4_K; only
+                                 * reached at the avx512 level, the one that keeps IQ4_XS (types.h) */
             const kc_vf vd = kc_half(sb + KI_D);
-            const kc_vi tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KQ_IQ4NL));
+            const kc_vi tbl = kc_bcast16(KQ_IQ4NL);
             for (int j = 0; j < 8; j++) {
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) {
                     const kc_vi v = kc_loadi(sb + KC_R * (4 * j + k));
-                    W[k] = _mm512_shuffle_epi8(tbl, kc_and(v, m4));
-                    W[k + 4] = _mm512_shuffle_epi8(tbl, kc_and(kc_srli16(v, 4), m4));
+                    W[k] = kc_lookup8(tbl, kc_and(v, m4));
+                    W[k + 4] = kc_lookup8(tbl, kc_and(kc_srli16(v, 4), m4));
                 }
                 const kc_vi s15 = kc_slli32(kc_dot(kc_ones, W, 0, 8), 15);
                 const kc_vf vds = kc_mul(vd, kc_i8f(sb + KI_LS + KC * j));
@@ -296,7 +301,6 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
             }
             continue;
         }
-#endif
         const int so = kc_so(qt);
         const kc_vf vd = kc_half(sb + so + 16 * KC), vmin = kc_half(sb + so + 18 * KC);
         for (int j = 0; j < 8; j++) {

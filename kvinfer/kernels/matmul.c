@@ -56,8 +56,8 @@ static const struct {
 /* Returns 0, or a negative KVQ_E* code (y untouched). nthreads <= 0: OpenMP's default. Threads split the
  * output columns, never K, so the thread count cannot change a result. */
 int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw, int qt,
-               const float *bias, float *y, int64_t ldy, int nthreads) {
-    if (kq_is_kquant(qt)) return kvq_kq_matmul(x, M, K, ldx, w, N, ldw, qt, bias, y, ldy, nthreads);
+               const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
+    if (kq_is_kquant(qt)) return kvq_kq_matmul(x, M, K, ldx, w, N, ldw, qt, kept, bias, y, ldy, nthreads);
     const int bb = block_bytes(qt), eb = elem_bytes(qt);
     if (!bb && !eb) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || (bb && K % QK) || ldx < K || ldy < N) return KVQ_EBADSHAPE;
@@ -81,7 +81,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     }
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     uint8_t *xu = NULL;
-    const uint8_t *kept = bb && ROUTE.kept ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
+    /* a copy is read where this build has the kept route and keeps this type (float rows have no kept layout) */
+    if (!bb || !ROUTE.kept || !kvq_type_kept(qt)) kept = NULL;
     if (bb && ROUTE.amx && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself, on all threads) */
         const int rc = ROUTE.amx(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
@@ -119,11 +120,14 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     return KVQ_OK;
 }
 
-/* kvq_matmul with its arguments in one int64 array, in the same order: ctypes converts each argument of a call
- * separately, and one pointer is several microseconds cheaper than twelve scalars (QuantLinear's hot path). */
+/* kvq_matmul with its arguments in one int64 array: ctypes converts each argument of a call separately, and one
+ * pointer is several microseconds cheaper than thirteen scalars (QuantLinear's hot path). a[0..11] are kvq_matmul's
+ * arguments in order without kept, a[12] is kept: the slots a caller writes per call (x, M, y, nthreads) keep their
+ * places. */
 int kvq_matmul_packed(const int64_t *a) {
     return kvq_matmul((const float *)(intptr_t)a[0], a[1], a[2], a[3], (const uint8_t *)(intptr_t)a[4], a[5], a[6],
-                      (int)a[7], (const float *)(intptr_t)a[8], (float *)(intptr_t)a[9], a[10], (int)a[11]);
+                      (int)a[7], (const uint8_t *)(intptr_t)a[12], (const float *)(intptr_t)a[8],
+                      (float *)(intptr_t)a[9], a[10], (int)a[11]);
 }
 
 /* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
@@ -133,12 +137,11 @@ int kvq_matmul_packed(const int64_t *a) {
 static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
                            int64_t K, float *out);
 
-int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N, int64_t K,
-                   float *out) {
-    /* A weight with a kept copy may have dropped its GGUF rows (kvq_kept_rows): the rows asked for come from the
-     * copy, byte for byte, and then decode as usual. */
-    const uint8_t *kept = n > 0 && K > 0 ? kvq_kept_lookup(w, N, K, ldw, qt) : NULL;
-    if (kept) {
+int kvq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const uint8_t *kept, const int64_t *ids, int64_t n,
+                   int64_t N, int64_t K, float *out) {
+    /* A weight with a kept copy (kept, as kvq_matmul takes it) may have dropped its GGUF rows (kvq_kept_rows): the
+     * rows asked for come from the copy, byte for byte, and then decode as usual. */
+    if (kept && n > 0 && K > 0) {
         uint8_t *rows = (uint8_t *)malloc((size_t)(n * ldw));
         int64_t *seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
         int rc = rows && seq ? kvq_kept_rows(kept, N, K, qt, ids, n, rows, ldw) : KVQ_ENOMEM;

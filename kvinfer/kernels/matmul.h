@@ -115,7 +115,7 @@ KVQ_HIDDEN void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb,
                               float *d, float *m);
 /* ---- weights kept in tile layout ----
  * Unpacking a pass of weights costs about a third of a 16-row matmul, every call. A weight may instead be
- * unpacked once (kvq_amx_tiles_pack) and registered under its address; its matmuls then read that copy: the AMX
+ * unpacked once (kvq_amx_tiles_pack) and passed with it (kvq_matmul's kept); its matmuls then read that copy: the AMX
  * route loads its tiles straight from it, and below AMX_MIN_ROWS (or with the tiles off) the vector route's
  * kept_rows reads it instead of transposing the GGML blocks. Per 16 output columns (a group, kept_group_bytes
  * apart): a plane of quants, block after block (kept_quants: Q8_0 as 8 rows of 64 bytes, row k holding quants

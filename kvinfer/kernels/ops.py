@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -11,9 +10,7 @@ import torch
 from .abi import (_EBADSHAPE, _EBADTYPE, FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, QTYPES, AttnJob, DecodeJob,
                   Sampling, _check, _declare, _short_rows)
 from .build import LEVELS
-from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, _drop_pages, _restore
-
-log = logging.getLogger("kvinfer.kernels")
+from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, _drop_pages
 
 
 def _nt(n: Optional[int]) -> int:
@@ -86,9 +83,9 @@ class Kernels:
                    drop_source: bool = False) -> Optional["KeptTiles"]:
         """W (raw GGML rows, uint8 [n, row_bytes]) unpacked once into tile layout (per 16 output columns: the
         quants as VNNI instructions and AMX tiles take them, then the blocks' scales; as many bytes as the GGML
-        rows) and registered, so that its matmuls read that copy: AMX tiles without per-call unpacking, and the
+        rows), so that the matmuls given the copy (kept=) read it: AMX tiles without per-call unpacking, and the
         vector route without its per-block transpose (docs/KQUANTS.md, docs/BENCHMARKS.md). None below the avx512
-        level or where W is not quantised; the copy lives (and stays registered) as long as the result.
+        level or where W is not quantised; the copy lives as long as the result (or until its release()).
         drop_source (Q4_0, Q4_1, Q8_0, K-quants, IQ4_XS): W's pages are given back as they are packed, so the process holds the
         weight once; W must then be read only by the kernels or after KeptTiles.restore_source()."""
         if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
@@ -111,18 +108,15 @@ class Kernels:
                                                tiles.data_ptr() + r0 // 16 * group, nt), "AMX tile packing")
             if drop:
                 _drop_pages(w.data_ptr() + r0 * ld, (r1 - r0) * ld)
-        if self.lib.kvq_amx_tiles_register(w.data_ptr(), n, k, ld, qt, tiles.data_ptr()):
-            if drop:
-                _restore(self, tiles, w, n, k, qtype)
-            log.warning("AMX tile layout not kept for a %dx%d %s weight (registry full)", n, k, qtype)
-            return None
         return KeptTiles(self, w, tiles, qtype, n, k, drop)
 
     # -- matmul ---------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
-               out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
+               kept: Optional[KeptTiles] = None) -> torch.Tensor:
         """y[M, N] = x[M, K] @ W^T (+ bias). W: raw GGML rows (uint8 [N, row_bytes], qtype Q4_0/Q4_1/Q8_0) or a
-        float32/float16/bfloat16 [N, K] tensor (qtype ignored). x float32 [M, K] with contiguous rows."""
+        float32/float16/bfloat16 [N, K] tensor (qtype ignored). x float32 [M, K] with contiguous rows. kept: W's
+        copy from keep_tiles (read instead of W's rows, same bits; required once W's pages were dropped)."""
         _cpu_f32("x", x, 2)
         if x.shape[1] > 1 and x.stride(1) != 1:
             raise ValueError("x rows must be contiguous")
@@ -153,18 +147,20 @@ class Kernels:
         elif (out.dtype != torch.float32 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1)
               or out.device.type != "cpu"):
             raise ValueError(f"out must be a float32 CPU tensor of shape {(M, N)} with unit column stride")
-        rc = self.lib.kvq_matmul(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N, ldw, qt,
+        kp = None if kept is None else kept.ptr_for(self, w, N, K, qtype)
+        rc = self.lib.kvq_matmul(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N, ldw, qt, kp,
                                  bias.data_ptr() if bias is not None else None, out.data_ptr(),
                                  out.stride(0) if M > 1 else N, _nt(num_threads))
         _check(rc, "matmul")
         return out
 
     def matmul_prompt(self, x: torch.Tensor, w: torch.Tensor, qtype: str, bias: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> Optional[torch.Tensor]:
-        """matmul() by the prompt rows' route: W (raw GGML rows with a kept tile copy) and x widened and rounded to
-        bfloat16, products summed by AMX bfloat16 tiles in K order; a row's bits depend on its own values only,
-        on this CPU. None when the route is off or W has no kept copy (use matmul)."""
-        if not self.prompt_route or w.dtype != torch.uint8 or qtype not in QTYPES:
+                      out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
+                      kept: Optional[KeptTiles] = None) -> Optional[torch.Tensor]:
+        """matmul() by the prompt rows' route: W (raw GGML rows) read from its kept tile copy and x widened and
+        rounded to bfloat16, products summed by AMX bfloat16 tiles in K order; a row's bits depend on its own
+        values only, on this CPU. None when the route is off or no copy is given (use matmul)."""
+        if not self.prompt_route or w.dtype != torch.uint8 or qtype not in QTYPES or kept is None:
             return None
         _cpu_f32("x", x, 2)
         M, K = x.shape
@@ -173,8 +169,9 @@ class Kernels:
             raise ValueError("x rows must be contiguous")
         if out is None:
             out = torch.empty((M, N), dtype=torch.float32)
+        kp = kept.ptr_for(self, w, N, K, qtype)
         rc = self.lib.kvq_matmul_prompt(x.data_ptr(), M, K, x.stride(0) if M > 1 else K, w.data_ptr(), N,
-                                        w.stride(0) if N > 1 else w.shape[1], QTYPES[qtype],
+                                        w.stride(0) if N > 1 else w.shape[1], QTYPES[qtype], kp,
                                         bias.data_ptr() if bias is not None else None, out.data_ptr(),
                                         out.stride(0) if M > 1 else N, _nt(num_threads))
         if rc == -1:  # KVQ_EBADTYPE: no kept copy
@@ -251,10 +248,11 @@ class Kernels:
         return out
 
     # -- embedding lookup -----------------------------------------------------------------------------------
-    def embed_rows(self, w: torch.Tensor, qtype: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
+    def embed_rows(self, w: torch.Tensor, qtype: str, ids: torch.Tensor, dim: int,
+                   kept: Optional[KeptTiles] = None) -> torch.Tensor:
         """Rows `ids` (any shape) of raw GGML rows w (uint8 [N, row_bytes], Q4_0/Q4_1/Q8_0) or a float32 /
         float16 / bfloat16 [N, dim] tensor, as float32 [*ids.shape, dim]: the floats kvinfer.loaders.dequant
-        gives. An id outside [0, N) is a ValueError."""
+        gives. An id outside [0, N) is a ValueError. kept: w's copy from keep_tiles (its rows read back from it)."""
         if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):
             raise ValueError("w must be a 2-D CPU tensor with contiguous rows")
         if w.dtype == torch.uint8:
@@ -268,7 +266,8 @@ class Kernels:
             raise ValueError(f"w must be uint8 GGML rows or float [N, {dim}], not {w.dtype} {tuple(w.shape)}")
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty((flat.shape[0], dim), dtype=torch.float32)
-        rc = self.lib.kvq_embed_rows(w.data_ptr(), ldw, qt, flat.data_ptr(), flat.shape[0], w.shape[0], dim,
+        kp = None if kept is None else kept.ptr_for(self, w, w.shape[0], dim, qtype)
+        rc = self.lib.kvq_embed_rows(w.data_ptr(), ldw, qt, kp, flat.data_ptr(), flat.shape[0], w.shape[0], dim,
                                      out.data_ptr())
         if rc == _EBADSHAPE:
             raise ValueError(f"token ids must be in [0, {w.shape[0]})")

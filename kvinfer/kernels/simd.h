@@ -185,6 +185,12 @@ static inline __attribute__((always_inline)) vf hsum_pairs8(const __m512 *z) {
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
 }
+
+/* acc + lane j's exact int32 sum a[2j] b[2j] + a[2j + 1] b[2j + 1] of 16 int16 lanes: one VNNI instruction here,
+ * a multiply-add and an add at the avx2 level (below); the same integers. */
+static inline vi vi_dp16(vi acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#else
+static inline vi vi_dp16(vi acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #endif
 
 /* The fp16 fields at p + u * stride (d) and p + 2 + u * stride (m) of 8 blocks, as floats. Built in registers:
@@ -218,6 +224,11 @@ static inline vs vs_pair_i8(const int8_t *a, const int8_t *b) {
 /* Lane r: x[2r] * w[0] + x[2r + 1] * w[1] (w: two int16 in one int32), exact. */
 static inline vi vs_madd_pair(vs x, int32_t w) { return _mm256_madd_epi16(x, _mm256_set1_epi32(w)); }
 
+/* Lane l: a[2l] b[2l] + a[2l + 1] b[2l + 1] of 16 int16 values at a and b, exact. */
+static inline vi vs_madd16(const int16_t *a, const int16_t *b) {
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b));
+}
+
 /* 8 fp8 e4m3 values times 2^-8, exact: with the sign moved to bit 15, an e4m3 code shifted left by 7 is the fp16
  * of its value times 2^-8 (exponent biases 7 and 15), subnormals included. */
 static inline vf vf_load_e4m3(const uint8_t *p) {
@@ -231,13 +242,8 @@ typedef struct { __m256i lo, hi; } q32;
 /* The exact integer dot product of a block's 32 quants with 32 int16 activations, as 8 int32 lanes: lane j holds
  * q[2j]x[2j] + q[2j+1]x[2j+1] + q[16+2j]x[16+2j] + q[17+2j]x[17+2j] (the lane split is part of the result). */
 static inline vi q32_dot(q32 q, const int16_t *x) {
-#if KVQ_LEVEL >= 2
-    __m256i acc = _mm256_dpwssd_epi32(_mm256_setzero_si256(), q.lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_dpwssd_epi32(acc, q.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-#else
-    return _mm256_add_epi32(_mm256_madd_epi16(q.lo, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(q.hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
-#endif
+    const vi acc = vi_dp16(vi_zero(), q.lo, _mm256_loadu_si256((const __m256i *)x));
+    return vi_dp16(acc, q.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
 /* 4-bit quants: byte i holds element i (low nibble) and i + 16 (high nibble); `off` is subtracted (Q4_0: 8). */
@@ -385,6 +391,12 @@ static inline vi vs_madd_pair(vs x, int32_t w) {
     const int32_t w0 = (int16_t)(uint16_t)((uint32_t)w & 0xffff), w1 = (int16_t)(uint16_t)((uint32_t)w >> 16);
     vi r;
     KVQ_L8(r.v[_l] = x.v[2 * _l] * w0 + x.v[2 * _l + 1] * w1);
+    return r;
+}
+
+static inline vi vs_madd16(const int16_t *a, const int16_t *b) {
+    vi r;
+    KVQ_L8(r.v[_l] = (int32_t)a[2 * _l] * b[2 * _l] + (int32_t)a[2 * _l + 1] * b[2 * _l + 1]);
     return r;
 }
 

@@ -150,11 +150,12 @@ class QuantLinear(nn.Module):
         rows' pages are given back (source() restores them)."""
         if not self._kernel_checked:
             if self._qt is not None and kernels.available() and self.raw.is_cpu:
-                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
-                                                      self.bias)
                 if kernels.keep_tiles_enabled():
                     self._tiles = kernels.active().keep_tiles(self.raw, self.out_features, self.in_features,
                                                               self.qtype, drop_source=drop_source)
+                # (the copy travels in every call, beside the weight)
+                self._kernel = kernels.PreparedMatmul(self.out_features, self.in_features, self.raw, self.qtype,
+                                                      self.bias, self._tiles)
             self._kernel_checked = True
         elif drop_source and getattr(self, "_tiles", None) is not None:
             self._tiles.drop_source()
@@ -194,7 +195,7 @@ class QuantLinear(nn.Module):
         for a, b, prompt in runs:
             if not prompt or not lib.prompt_route:  # (switched off for the process since: tests do)
                 self._kernel.run(x.data_ptr() + a * k * 4, b - a, y.data_ptr() + a * n * 4, nt)
-            elif lib.matmul_prompt(x[a:b], self.raw, self.qtype, self.bias, y[a:b], nt) is None:
+            elif lib.matmul_prompt(x[a:b], self.raw, self.qtype, self.bias, y[a:b], nt, kept=self._tiles) is None:
                 raise RuntimeError("the prompt route has no kept tile copy of this weight")
 
 
@@ -218,10 +219,12 @@ class QuantParts(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Optional[int] = None,
+                             kept: Optional[kernels.KeptTiles] = None) -> torch.Tensor:
     """Rows `ids` of a GGML matrix (uint8 [vocab, row_bytes]) as float32 [*ids.shape, dim], decoding only them.
 
-    dim (the row length in elements) is inferred from row_bytes when not given.
+    dim (the row length in elements) is inferred from row_bytes when not given. kept: raw's kept copy (the kernels
+    read the rows from it: raw's own pages may have been given back).
     """
     name = type_name(qtype)
     if raw.ndim != 2:
@@ -231,7 +234,8 @@ def quantized_embedding_rows(raw: RawWeight, qtype, ids: torch.Tensor, dim: Opti
         dim = raw.shape[1] // nbytes * elems
     if (isinstance(raw, torch.Tensor) and raw.is_cpu and not ids.is_cuda and name in kernels.QTYPES
             and kernels.available()):
-        return kernels.embed_rows(raw, name, ids, dim)  # in C: a tenth of the torch route's time for a decode step
+        # in C: a tenth of the torch route's time for a decode step
+        return kernels.embed_rows(raw, name, ids, dim, kept)
     if isinstance(raw, torch.Tensor):
         flat = ids.reshape(-1).to(device=raw.device, dtype=torch.long)
         rows = raw.index_select(0, flat)
@@ -260,8 +264,15 @@ class QuantEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"
 
+    def kept(self) -> Optional[kernels.KeptTiles]:
+        """The kept copy of this embedding's bytes, or None: the tied LM head's (as_linear), which the head makes
+        and may have given the shared pages back to."""
+        head = self.__dict__.get("_tied_head")
+        tiles = getattr(head, "_tiles", None) if head is not None and head.raw is self.raw else None
+        return tiles if tiles is not None and tiles.tiles is not None else None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quantized_embedding_rows(self.raw, self.qtype, ids, self.embedding_dim)
+        return quantized_embedding_rows(self.raw, self.qtype, ids, self.embedding_dim, self.kept())
 
     def as_linear(self, **kwargs) -> QuantLinear:
         """A QuantLinear (logits = h @ E^T) sharing this embedding's raw tensor.
@@ -272,6 +283,9 @@ class QuantEmbedding(nn.Module):
         kwargs.setdefault("kernel_max_rows", None)
         lin = QuantLinear(self.raw, self.qtype, (self.num_embeddings, self.embedding_dim), **kwargs)
         lin.raw = self.raw  # the very same tensor: _raw_tensor may have returned a view of it
+        # Known to the lookup (kept()), which reads the head's copy of the shared bytes; not a submodule (the model
+        # holds the head as lm_head: a child here would list it twice and rename its state_dict keys).
+        object.__setattr__(self, "_tied_head", lin)
         return lin
 
 

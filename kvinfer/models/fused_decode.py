@@ -115,6 +115,7 @@ class FusedDecode:
             raise ValueError(f"fused decode unsupported: {reason}")
         cfg = model.cfg
         self.model, self.backend, self.cfg = model, backend, cfg
+        self._kept: list[torch.Tensor] = []  # the kept copies the table points to, alive while it does
         layers = (kernels.DecodeLayer * cfg.num_layers)()
         self._experts = []  # each MoE layer's table of experts, which the layer table points into
         for i, layer in enumerate(model.layers):
@@ -123,7 +124,7 @@ class FusedDecode:
             moe = layer.mlp if isinstance(layer.mlp, MoE) else None
             mlp = () if moe else (("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down))
             for name, lin in (("qkv", layer.attn.qkv), ("o", layer.attn.o), *mlp):
-                _set_projection(e, name, lin)
+                self._set_projection(e, name, lin)
             if moe is not None:
                 self._set_moe(e, moe)
             if layer.attn.q_norm is not None:  # per head, before RoPE, with the model's eps (as Attention.forward)
@@ -146,19 +147,50 @@ class FusedDecode:
                                    and norm.weight.is_contiguous()) else None
         self.head = head if (self.final_norm is not None and isinstance(head, QuantLinear) and head.bias is None
                              and head.qtype in kernels.QTYPES and head.raw.is_contiguous()) else None
+        self._head_kept = self._kept_ptr(self.head) if self.head is not None else None
+        self._embed_kept = self._kept_ptr(self.embed) if self.embed is not None else None  # (a tied head's copy)
         self._ptrs = self._current_ptrs()
 
     def _set_moe(self, e, moe: MoE) -> None:
         experts = (kernels.DecodeExpert * moe.num_experts)()
         for x, ex in zip(experts, moe.experts):
-            _set_projection(x, "gate_up", ex.gate_up)
-            _set_projection(x, "down", ex.down)
+            self._set_projection(x, "gate_up", ex.gate_up)
+            self._set_projection(x, "down", ex.down)
         self._experts.append(experts)
         w = moe.router.weight
         e.experts, e.router = ctypes.addressof(experts), w.data_ptr()
         e.router_ldw, e.router_qt = w.stride(0) * w.element_size(), kernels.FLOAT_TYPES[w.dtype]
         e.n_experts, e.top_k, e.expert_inter = moe.num_experts, moe.top_k, moe.experts[0].inter
         e.renorm = int(moe.renormalise)
+
+    def _set_projection(self, e, name: str, lin) -> None:
+        """The fields name, name_ldw, name_qt, name_kept (or name_parts, name_nparts) of a layer or expert entry."""
+        if isinstance(lin, QuantParts):
+            parts = getattr(e, f"{name}_parts")
+            for j, part in enumerate(lin.parts):
+                parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
+                parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
+                parts[j].kept = self._kept_ptr(part)
+            setattr(e, f"{name}_nparts", len(lin.parts))
+            return
+        setattr(e, name, lin.raw.data_ptr())
+        setattr(e, f"{name}_ldw", lin.raw.stride(0))
+        setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
+        setattr(e, f"{name}_kept", self._kept_ptr(lin))
+
+    def _kept_ptr(self, m) -> Optional[int]:
+        """The kept copy of a QuantLinear's (or a tied QuantEmbedding's) weight for the table, made first where the
+        layer makes one (as its first forward would): each call passes it beside the weight, as the eager path
+        does, so the step reads what the layer reads."""
+        if isinstance(m, QuantLinear):
+            m.prepare_kernel()
+            kept = m._tiles
+        else:
+            kept = m.kept()
+        if kept is None or kept.tiles is None:
+            return None
+        self._kept.append(kept.tiles)
+        return kept.ptr
 
     @property
     def fuses_head(self) -> bool:
@@ -221,7 +253,9 @@ class FusedDecode:
                                  head.raw.stride(0) if head is not None else 0,
                                  head.out_features if head is not None else 0,
                                  kernels.QTYPES[head.qtype] if head is not None else 0,
-                                 logits.data_ptr() if logits is not None else None)
+                                 logits.data_ptr() if logits is not None else None,
+                                 self._embed_kept if emb is not None else None,
+                                 self._head_kept if head is not None else None)
 
     @property
     def steps_ok(self) -> bool:
@@ -257,17 +291,3 @@ class FusedDecode:
         n = kernels.decode_steps(job, nsteps, torch.tensor(stop_ids, dtype=torch.int64), logits, tokens, sp)
         self.backend.kv_computed += n * B * cfg.num_layers
         return tokens[:n], logits[:n]
-
-
-def _set_projection(e, name: str, lin) -> None:
-    """The fields name, name_ldw, name_qt (or name_parts, name_nparts) of a layer or expert table entry."""
-    if isinstance(lin, QuantParts):
-        parts = getattr(e, f"{name}_parts")
-        for j, part in enumerate(lin.parts):
-            parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
-            parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
-        setattr(e, f"{name}_nparts", len(lin.parts))
-        return
-    setattr(e, name, lin.raw.data_ptr())
-    setattr(e, f"{name}_ldw", lin.raw.stride(0))
-    setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])

@@ -202,11 +202,12 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     try:
         for m, y in want.items():
             for nt in (1, 2, 3):
-                assert torch.equal(lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=nt), y), (m, nt)
+                assert torch.equal(lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=nt, kept=kept), y), (m, nt)
         assert rel_err(want[19], reference_i16(x, raw.numpy(), qtype, n, k) + bias.double()) < TOL
-        kept.tiles[:64] ^= 1  # the copy is what the kernel reads now, on every route
-        assert not torch.equal(lib.matmul(x[:1], raw, qtype, bias=bias), want[1])
-        assert not torch.equal(lib.matmul(x[:9], raw, qtype, bias=bias), want[9])
+        kept.tiles[:64] ^= 1  # the copy passed is what the kernel reads, on every route
+        assert not torch.equal(lib.matmul(x[:1], raw, qtype, bias=bias, kept=kept), want[1])
+        assert not torch.equal(lib.matmul(x[:9], raw, qtype, bias=bias, kept=kept), want[9])
+        assert torch.equal(lib.matmul(x[:9], raw, qtype, bias=bias), want[9])  # a call without it reads the rows
         kept.tiles[:64] ^= 1
     finally:
         kept.release()
@@ -249,11 +250,11 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
     kept = lib.keep_tiles(raw, n, k, qtype, drop_source=True)
     assert kept is not None and kept.dropped
     assert int(raw.count_nonzero()) < raw.numel() // 2  # the pages read back as zeros: they were given back
-    assert torch.equal(lib.matmul(x, raw, qtype), y)  # the kernels read the copy (every route)
-    assert torch.equal(lib.matmul(x[:1].clone(), raw, qtype), y[:1])
-    assert torch.equal(lib.embed_rows(raw, qtype, ids, k), rows)
+    assert torch.equal(lib.matmul(x, raw, qtype, kept=kept), y)  # the kernels read the copy (every route)
+    assert torch.equal(lib.matmul(x[:1].clone(), raw, qtype, kept=kept), y[:1])
+    assert torch.equal(lib.embed_rows(raw, qtype, ids, k, kept=kept), rows)
     with pytest.raises(ValueError):
-        lib.embed_rows(raw, qtype, torch.tensor([200]), k)
+        lib.embed_rows(raw, qtype, torch.tensor([200]), k, kept=kept)
     kept.restore_source()
     assert torch.equal(raw, torch.from_numpy(np.ascontiguousarray(raw_np)))  # the file's bytes again
     kept.release()
@@ -278,26 +279,40 @@ def test_quant_linear_source_restores_a_dropped_weight():
 
 @pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
 @pytest.mark.parametrize("qtype", KTYPES + ("Q4_0",))
-def test_a_kept_copy_unregisters_when_it_is_collected(qtype):
-    # The registry is keyed by the weight's address: an entry left behind by a collected copy would be found by the
-    # next weight allocated there (same shape and type) and its matmuls would read freed memory.
-    import gc
+def test_a_kept_copy_is_taken_only_with_its_own_weight_and_level(qtype):
+    # C trusts the copy it is passed (no table checks it against the weight any more): the wrappers refuse a copy
+    # of another weight, shape or type, or one laid out by another level's library, and a released copy is not
+    # passed at all.
     level = KEPT_LEVELS[-1]
     if level == "avx2" and qtype not in KTYPES:
         pytest.skip("at the avx2 level only K-quants have a kept copy")
     lib = kernels.library(level)
     n, k = 32, 512
-    raw = torch.from_numpy(make_raw(qtype, n, k, seed=60) if qtype in KTYPES
-                           else np.random.default_rng(61).integers(0, 256, (n, k // 32 * 18), dtype=np.uint8))
-    if qtype == "Q4_0":
-        raw.view(n, k // 32, 18)[:, :, 0:2] = torch.tensor(_f16(0.01))
-    code, ld = kernels.QTYPES[qtype], raw.stride(0)
+
+    def weight(seed):
+        raw = torch.from_numpy(make_raw(qtype, n, k, seed=seed) if qtype in KTYPES
+                               else np.random.default_rng(seed).integers(0, 256, (n, k // 32 * 18), dtype=np.uint8))
+        if qtype == "Q4_0":
+            raw.view(n, k // 32, 18)[:, :, 0:2] = torch.tensor(_f16(0.01))
+        return raw
+
+    raw, other = weight(60), weight(61)
+    x = torch.randn(3, k)
+    y = lib.matmul(x, raw, qtype)
     kept = lib.keep_tiles(raw, n, k, qtype)
-    assert kept is not None
-    assert lib.lib.kvq_kept_lookup(raw.data_ptr(), n, k, ld, code) == kept.tiles.data_ptr()
-    del kept
-    gc.collect()
-    assert lib.lib.kvq_kept_lookup(raw.data_ptr(), n, k, ld, code) is None
+    assert kept is not None and torch.equal(lib.matmul(x, raw, qtype, kept=kept), y)
+    with pytest.raises(ValueError, match="is not the copy"):
+        lib.matmul(x, other, qtype, kept=kept)
+    with pytest.raises(ValueError, match="is not the copy"):
+        lib.matmul(x[:, :256], raw, qtype, kept=kept)  # the same bytes read as shorter rows
+    with pytest.raises(ValueError, match="is not the copy"):
+        lib.embed_rows(other, qtype, torch.tensor([1]), k, kept=kept)
+    lower = [lv for lv in KEPT_LEVELS if lv != level]
+    for lv in lower:
+        with pytest.raises(ValueError, match="is not the copy"):
+            kernels.library(lv).matmul(x, raw, qtype, kept=kept)
+    kept.release()
+    assert kept.ptr is None and torch.equal(lib.matmul(x, raw, qtype, kept=kept), y)
 
 
 def test_iq4_xs_is_kept_quantized_and_reads_its_scales_and_table():

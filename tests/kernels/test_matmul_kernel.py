@@ -504,6 +504,10 @@ def test_quant_embedding_and_tied_head():
     assert rel_err(head(h), h.double() @ full.double().T) < TOL_I16
     hb = torch.randn(70, dim)  # the head stays on the kernel for every batch size
     assert rel_err(head(hb), hb.double() @ full.double().T) < TOL_I16 and head._weight is None
+    if head.prepare_kernel(drop_source=True) and head._tiles is not None and head._tiles.dropped:
+        # the head's copy holds the shared bytes now: the lookup reads the rows from it (the GGUF pages are gone)
+        assert emb.kept() is head._tiles and int(emb.raw.count_nonzero()) < emb.raw.numel()
+        assert torch.equal(emb(ids), full[ids])
 
 
 def test_batch_invariance_off_sends_prefill_batches_to_blas(monkeypatch):
@@ -569,11 +573,11 @@ def kept_bytes(qtype: str, n: int, k: int) -> int:
 @pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 VNNI (the level that keeps weights in tile layout)")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
-    # A weight kept in tile layout (unpacked once, registered under its address) is read by both quantised routes
+    # A weight kept in tile layout (unpacked once, passed beside the weight) is read by both quantised routes
     # of the avx512 level: the vector route (kept_rows: unsigned activation bytes x signed quants, vpdpbusd, no
     # per-block transpose) and, from amx_min_rows rows, the AMX tiles without unpacking. Every row count, with the
     # tiles on and off and on 1 or 2 threads, must still give the GGML-row route's and the portable level's bits,
-    # and releasing the copy must put the weight back on the GGML rows.
+    # and a call without the copy (or with a released one) reads the GGML rows.
     lib = kernels.library("avx512")
     generic = kernels.library("generic")
     amx = lib.amx
@@ -593,14 +597,14 @@ def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
                 lib.set_amx(tiles)
                 for m, x in xs.items():
                     for nt in (1, 2):
-                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt)
+                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt, kept=kept)
                         assert torch.equal(y, before[m]), (n, k, m, tiles, nt)
                     assert torch.equal(y, generic.matmul(x, raw, qtype, bias=b)), (n, k, m, tiles)
         finally:
             lib.set_amx(amx)
             w.copy_(raw)
         kept.release()
-        assert all(torch.equal(lib.matmul(x, w, qtype, bias=b), before[m]) for m, x in xs.items())
+        assert all(torch.equal(lib.matmul(x, w, qtype, bias=b, kept=kept), before[m]) for m, x in xs.items())
 
 
 def test_weights_are_kept_in_tile_layout_only_at_the_avx512_level():

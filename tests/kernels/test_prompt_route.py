@@ -41,7 +41,7 @@ def test_prompt_matmul_is_the_bf16_product_and_row_invariant(qt, n, k):
     x = torch.randn(41, k, generator=g) * 3
     bias = torch.randn(n, generator=g)
     for b in (None, bias):
-        y = lib.matmul_prompt(x, raw, qt, b)
+        y = lib.matmul_prompt(x, raw, qt, b, kept=kept)
         w = dequantize(raw, qt, (n, k))
         # the operands as the route rounds them, multiplied exactly; tdpbf16ps adds in float32
         terms = x.to(torch.bfloat16).double()[:, None, :] * w.to(torch.bfloat16).double()[None, :, :]
@@ -53,7 +53,7 @@ def test_prompt_matmul_is_the_bf16_product_and_row_invariant(qt, n, k):
         # a row's bits depend on its own values only: any slice, any place in a tile, any thread count
         for a, e in ((0, 1), (3, 20), (5, 41), (0, 17), (17, 18), (16, 32), (40, 41)):
             for t in (1, 2):
-                assert torch.equal(lib.matmul_prompt(x[a:e], raw, qt, b, num_threads=t), y[a:e]), (a, e, t)
+                assert torch.equal(lib.matmul_prompt(x[a:e], raw, qt, b, num_threads=t, kept=kept), y[a:e]), (a, e, t)
 
 
 @needs_route
@@ -76,7 +76,7 @@ def test_quant_linear_computes_prompt_rows_by_their_route_and_the_rest_as_before
     with set_forward_context(ForwardContext(prompt_spans=[(2, 9), (20, 30)])):
         mixed = lin(x)
     lib = kernels.active()
-    prompt = lib.matmul_prompt(x, lin.raw, "Q4_1", lin.bias)
+    prompt = lib.matmul_prompt(x, lin.raw, "Q4_1", lin.bias, kept=lin._tiles)
     for a, e in ((2, 9), (20, 30)):
         assert torch.equal(mixed[a:e], prompt[a:e])
     for a, e in ((0, 2), (9, 20)):

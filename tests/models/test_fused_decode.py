@@ -47,6 +47,15 @@ def test_builtin_model_fused_matches_eager_bitwise(builtin_llm):
     fd = FusedDecode(builtin_llm.engine.loaded.model, builtin_llm.engine.kv_cache)
     # the embedding lookup, the final norm and the tied Q8_0 head run inside the C step too
     assert fd.embed is not None and fd.final_norm is not None and fd.fuses_head
+    # the kept copies travel in the table beside their weights (the tied embedding reads the head's)
+    model = builtin_llm.engine.loaded.model
+    head = model.lm_head._tiles
+    for lin, got in ((model.layers[0].attn.qkv, fd.layers[0].qkv_kept), (model.layers[-1].mlp.down,
+                                                                        fd.layers[-1].down_kept)):
+        assert got == (lin._tiles.ptr if lin._tiles is not None else None)
+    assert fd._head_kept == fd._embed_kept == (head.ptr if head is not None else None)
+    assert (head is not None) == (kernels.active().keeps_tiles and kernels.active().level == "avx512"
+                                  and kernels.keep_tiles_enabled())
     _compare(builtin_llm, 0.0)
 
 

@@ -186,16 +186,16 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
     return KVQ_OK;
 }
 
-/* y = x W^T (+ bias) for prompt rows: KVQ_EBADTYPE when the route is off or W has no kept copy (the caller then
- * uses kvq_matmul). */
+/* y = x W^T (+ bias) for prompt rows over W's kept copy: KVQ_EBADTYPE when the route is off or kept is NULL (the
+ * caller then uses kvq_matmul). */
 BF16P_TARGET int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                                   int64_t ldw, int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
+                                   int64_t ldw, int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy,
+                                   int nthreads) {
     if (!amx_bf16_on || !block_bytes(qt)) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || K % QK || ldx < K || ldy < N) return KVQ_EBADSHAPE;
     if (ldw < K / QK * block_bytes(qt)) return KVQ_EROWBYTES;
     if (M == 0 || N == 0) return KVQ_OK;
     struct job j = {x, bias, w, y, M, K, ldx, N, ldw, ldy, qt, NULL, NULL, NULL, NULL, NULL};
-    const uint8_t *kept = kvq_kept_lookup(w, N, K, ldw, qt);
     if (!kept) return KVQ_EBADTYPE;
     const int64_t Mp = (M + 15) / 16 * 16, passes = (N + 31) / 32;
     /* the calling thread's buffer, kept between calls (a fresh mapping's page faults cost more than the
@@ -247,8 +247,9 @@ int kvq_amx_bf16_enable(int on) { /* no tiles at this level */
 }
 
 int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
-                      int qt, const float *bias, float *y, int64_t ldy, int nthreads) {
-    (void)x, (void)M, (void)K, (void)ldx, (void)w, (void)N, (void)ldw, (void)qt, (void)bias, (void)y, (void)ldy;
+                      int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
+    (void)x, (void)M, (void)K, (void)ldx, (void)w, (void)N, (void)ldw, (void)qt, (void)kept, (void)bias, (void)y;
+    (void)ldy;
     (void)nthreads;
     return KVQ_EBADTYPE;
 }
