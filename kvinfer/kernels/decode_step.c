@@ -44,12 +44,14 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
     float *logits = (float *)malloc(sizeof(float) * (size_t)(B * E)), *w = (float *)malloc(sizeof(float) * (size_t)n);
     int64_t *ex = (int64_t *)malloc(sizeof(int64_t) * (size_t)n), *at = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
     int64_t *start = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *live = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
+    int64_t nlive = 0;
     float *xs = (float *)malloc(sizeof(float) * (size_t)(n * hid));
     float *gu = (float *)malloc(sizeof(float) * (size_t)(n * 2 * I));
     float *act = (float *)malloc(sizeof(float) * (size_t)(n * I));
     float *out = (float *)malloc(sizeof(float) * (size_t)(n * hid));
     int rc = KVQ_OK;
-    if (!logits || !w || !ex || !at || !start || !xs || !gu || !act || !out) {
+    if (!logits || !w || !ex || !at || !start || !live || !xs || !gu || !act || !out) {
         rc = KVQ_ENOMEM;
         goto done;
     }
@@ -64,23 +66,38 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         at[i] = start[ex[i]]++;
         memcpy(xs + at[i] * hid, h + (i / k) * hid, sizeof(float) * (size_t)hid);
     }
-    for (int64_t e = 0, a = 0; e < E; a = start[e++]) { /* start[e] is now where expert e's run ends */
-        const int64_t c = start[e] - a;
-        if (!c) continue;
+    /* start[e] is now where expert e's run ends. With enough experts in use, each thread takes whole experts (one
+     * thread per matmul) instead of every matmul splitting its columns over the threads: the same bits (a column's
+     * arithmetic does not depend on the thread count), two thread wake-ups per layer instead of two per expert. */
+    for (int64_t e = 0; e < E; e++)
+        if (start[e] > (e ? start[e - 1] : 0)) live[nlive++] = e;
+    const int by_expert = nthreads > 1 && nlive >= 2 * (int64_t)nthreads;
+    const int inner = by_expert ? 1 : nthreads;
+#pragma omp parallel for num_threads(by_expert ? nthreads : 1) schedule(dynamic, 1) if (by_expert)
+    for (int64_t j = 0; j < nlive; j++) {
+        const int64_t e = live[j], a = e ? start[e - 1] : 0, c = start[e] - a;
         const struct kvq_expert *x = p->experts + e;
-        rc = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_kept,
-                     x->gate_up_parts, x->gate_up_nparts, gu + a * 2 * I, nthreads);
-        if (rc) goto done;
+        const int r = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_kept,
+                              x->gate_up_parts, x->gate_up_nparts, gu + a * 2 * I, inner);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
     }
+    if (rc) goto done;
     kvq_silu_mul_rows(gu, n, I, 2 * I, act, nthreads);
-    for (int64_t e = 0, a = 0; e < E; a = start[e++]) {
-        const int64_t c = start[e] - a;
-        if (!c) continue;
+#pragma omp parallel for num_threads(by_expert ? nthreads : 1) schedule(dynamic, 1) if (by_expert)
+    for (int64_t j = 0; j < nlive; j++) {
+        const int64_t e = live[j], a = e ? start[e - 1] : 0, c = start[e] - a;
         const struct kvq_expert *x = p->experts + e;
-        rc = kvq_matmul(act + a * I, c, I, I, x->down, hid, x->down_ldw, x->down_qt, x->down_kept, NULL,
-                        out + a * hid, hid, nthreads);
-        if (rc) goto done;
+        const int r = kvq_matmul(act + a * I, c, I, I, x->down, hid, x->down_ldw, x->down_qt, x->down_kept, NULL,
+                                 out + a * hid, hid, inner);
+        if (r) {
+#pragma omp atomic write
+            rc = r;
+        }
     }
+    if (rc) goto done;
     for (int64_t b = 0; b < B; b++) {
         float *yr = y + b * hid;
         const float *o0 = out + at[b * k] * hid, w0 = w[b * k];
@@ -96,7 +113,7 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         }
     }
 done:
-    free(logits), free(w), free(ex), free(at), free(start), free(xs), free(gu), free(act), free(out);
+    free(logits), free(w), free(ex), free(at), free(start), free(live), free(xs), free(gu), free(act), free(out);
     return rc;
 }
 
