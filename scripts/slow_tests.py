@@ -2,6 +2,11 @@
 
     .venv/bin/python -m pytest -q --durations=0 > durations.log
     .venv/bin/python scripts/slow_tests.py durations.log [SECONDS]    # default: tests of 1 s or more
+    .venv/bin/python -m pytest -q -m "not slow" --durations=0 > fast.log
+    .venv/bin/python scripts/slow_tests.py durations.log fast.log [SECONDS]
+
+A test is slow when it took SECONDS or more in any of the logs: give it a fast-tier run too, and the tests that
+only become slow there (a module's shared fixture built by a test the fast tier now leaves out) are listed as well.
 
 A test's setup, call and teardown are added up; parametrized cases count under their function, which is marked
 whole when any case is slow.
@@ -27,20 +32,28 @@ def slow_functions(log: str, seconds: float) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (2, 3):
+    args = argv[1:]
+    seconds = 1.0
+    if len(args) >= 2:
+        try:
+            seconds = float(args[-1])
+            args = args[:-1]
+        except ValueError:
+            pass
+    if not args:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
         return 2
     try:
-        log = Path(argv[1]).read_text()
-        seconds = float(argv[2]) if len(argv) == 3 else 1.0
-    except (OSError, ValueError) as e:
+        logs = [Path(a).read_text() for a in args]
+    except OSError as e:
         print(f"slow_tests.py: {e}", file=sys.stderr)
         return 2
-    names = slow_functions(log, seconds)
+    names = sorted({n for log in logs for n in slow_functions(log, seconds)})
     if not names:
-        print(f"slow_tests.py: no per-test durations in {argv[1]} (run pytest with --durations=0)", file=sys.stderr)
+        print(f"slow_tests.py: no per-test durations in {', '.join(args)} (run pytest with --durations=0)",
+              file=sys.stderr)
         return 1
-    OUT.write_text(f"# Tests of {seconds:g} s or more in a full run (scripts/slow_tests.py); `pytest -m \"not slow\"` "
+    OUT.write_text(f"# Tests of {seconds:g} s or more in a full or fast-tier run (scripts/slow_tests.py); `pytest -m \"not slow\"` "
                    "leaves them out.\n" + "\n".join(names) + "\n")
     print(f"{len(names)} slow tests -> {OUT}")
     return 0
