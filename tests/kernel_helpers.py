@@ -1,11 +1,14 @@
 """What the kernel tests share: error bounds, the levels this machine runs, and running a model with the fused
-decode step on or off."""
+decode step on or off (and seeing that it ran)."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from kvinfer import kernels
 from kvinfer.engine.model_runner import ModelRunner
+from kvinfer.models.fused_decode import FusedDecode
 
 # Float arithmetic against a float64 reference: observed up to 2e-6 of max|y| at K=1536; the bound leaves 10x
 # room while still catching any wrong element, block scale or offset (those give errors of order 1e-2 and up).
@@ -34,3 +37,25 @@ def run_fused(llm, prompts, params, fused: bool):
         return llm.generate(prompts, params, use_tqdm=False)
     finally:
         ModelRunner.use_fused_decode = old
+
+
+@contextmanager
+def fused_calls():
+    """Yields a list that gets the batch size of every call into the fused C decode step (one step or several)
+    made inside the block."""
+    calls: list[int] = []
+    one, many = FusedDecode.__call__, FusedDecode.decode_steps
+
+    def counting(self, input_ids, *a, **kw):
+        calls.append(input_ids.shape[0])
+        return one(self, input_ids, *a, **kw)
+
+    def counting_steps(self, ids, *a, **kw):
+        calls.append(len(ids))
+        return many(self, ids, *a, **kw)
+
+    FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
+    try:
+        yield calls
+    finally:
+        FusedDecode.__call__, FusedDecode.decode_steps = one, many

@@ -16,7 +16,7 @@ from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
 from kvinfer.loaders.model_loader import load_model
 from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
 from tests.conftest import assert_engine_clean
-from tests.kernel_helpers import run_fused as _run
+from tests.kernel_helpers import fused_calls, run_fused as _run
 from tests.reference_helpers import step_logits
 
 _spec = importlib.util.spec_from_file_location("make_gguf",
@@ -73,22 +73,8 @@ def test_q5_1_model_decodes_the_float_references_tokens_fused_and_eager_alike(q5
     assert fd.embed is not None and fd.fuses_head  # the Q5_1 embedding and tied head inside the C step too
     prompts = [[5 + (97 * i + 13 * j) % 40000 for j in range(4 + 6 * i)] for i in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in prompts]
-    calls = []
-    one, many = FusedDecode.__call__, FusedDecode.decode_steps
-
-    def counting(self, *a, **kw):
-        calls.append(1)
-        return one(self, *a, **kw)
-
-    def counting_steps(self, *a, **kw):
-        calls.append(1)
-        return many(self, *a, **kw)
-
-    FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
-    try:
+    with fused_calls() as calls:
         fused = _run(llm, prompts, params, True)
-    finally:
-        FusedDecode.__call__, FusedDecode.decode_steps = one, many
     assert calls  # decode steps went through the C step
     eager = _run(llm, prompts, params, False)
     floats = ref.generate(prompts, params, use_tqdm=False)

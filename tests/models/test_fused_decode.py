@@ -7,7 +7,7 @@ import torch
 from kvinfer import LLM, SamplingParams, kernels
 from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
 from tests.conftest import assert_engine_clean
-from tests.kernel_helpers import run_fused as _run
+from tests.kernel_helpers import fused_calls, levels_here, run_fused as _run
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable on this machine")
 
@@ -16,20 +16,10 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels unav
 
 def _compare(builtin_llm, tol):
     eng = builtin_llm.engine
-    calls = []
-    orig = FusedDecode.__call__
-
-    def counting(self, *a):
-        calls.append(a[0].shape[0])
-        return orig(self, *a)
-
     prompts = [[1000 + (37 * i + j) % 20000 for j in range(3 + 11 * i)] for i in range(7)]
     params = [SamplingParams(temperature=0, max_tokens=10 + 4 * i, ignore_eos=True, logprobs=3) for i in range(7)]
-    FusedDecode.__call__ = counting
-    try:
+    with fused_calls() as calls:
         fused = _run(builtin_llm, prompts, params, True)
-    finally:
-        FusedDecode.__call__ = orig
     assert calls and max(calls) == 7  # decode-only steps went through the fused path, batched
     eager = _run(builtin_llm, prompts, params, False)
     for a, b in zip(fused, eager):
@@ -92,24 +82,10 @@ def test_a_model_with_mixed_type_projections_decodes_fused_bitwise(tmp_path):
     layer0 = eng.loaded.model.layers[0]
     assert isinstance(layer0.attn.qkv, QuantParts) and isinstance(layer0.mlp.gate_up, QuantParts)
     assert unsupported_reason(eng.loaded.model, eng.kv_cache) is None
-    calls = []
-    one, many = FusedDecode.__call__, FusedDecode.decode_steps
-
-    def counting(self, *a, **kw):
-        calls.append(1)
-        return one(self, *a, **kw)
-
-    def counting_steps(self, *a, **kw):
-        calls.append(1)
-        return many(self, *a, **kw)
-
     prompts = [[2 + (7 * i + j) % 60 for j in range(3 + 5 * i)] for i in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=3) for i in range(4)]
-    FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
-    try:
+    with fused_calls() as calls:
         fused = _run(llm, prompts, params, True)
-    finally:
-        FusedDecode.__call__, FusedDecode.decode_steps = one, many
     assert calls and eng.runner._fused is not None  # decode steps went through the C step
     eager = _run(llm, prompts, params, False)
     for a, b in zip(fused, eager):
@@ -124,33 +100,25 @@ def test_a_model_with_mixed_type_projections_decodes_fused_bitwise(tmp_path):
 _LEVEL_RUN = """
 import importlib.util, json, sys
 from kvinfer import LLM, SamplingParams, kernels
-from kvinfer.engine.model_runner import ModelRunner
-from kvinfer.models.fused_decode import FusedDecode, unsupported_reason
+from kvinfer.models.fused_decode import unsupported_reason
+from tests.kernel_helpers import fused_calls, run_fused
 spec = importlib.util.spec_from_file_location("make_gguf", sys.argv[1] + "/scripts/make_gguf.py")
 mg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mg)
 path = mg.write_direct(__import__("pathlib").Path(sys.argv[2]), sys.argv[3], "Q8_0", seed=5)
 llm = LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8, block_size=16)
 reason = unsupported_reason(llm.engine.loaded.model, llm.engine.kv_cache)
-calls = []
-one, many = FusedDecode.__call__, FusedDecode.decode_steps
-def counting(self, *a, **kw):
-    calls.append(1)
-    return one(self, *a, **kw)
-def counting_steps(self, *a, **kw):
-    calls.append(1)
-    return many(self, *a, **kw)
-FusedDecode.__call__, FusedDecode.decode_steps = counting, counting_steps
 prompts = [[2 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(5)]
 params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.9, seed=11 + i, max_tokens=8 + 3 * i, ignore_eos=True,
                          logprobs=2) for i in range(5)]
 runs = {}
 for fused in (True, False):
-    ModelRunner.use_fused_decode = fused
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with fused_calls() as calls:
+        outs = run_fused(llm, prompts, params, fused)
+    n_calls = len(calls) if fused else n_calls
     runs[str(fused)] = [[list(o.outputs[0].token_ids), [lp.logprob.hex() for lp in o.outputs[0].logprobs]]
                         for o in outs]
-print(json.dumps([kernels.level(), reason, len(calls), runs]))
+print(json.dumps([kernels.level(), reason, n_calls, runs]))
 """
 
 
@@ -162,8 +130,7 @@ def _levels_run(shape: str, tmp_path) -> dict:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    levels = [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]
-    runs = {}
+    levels, runs = levels_here(), {}
     for lv in levels:
         env = dict(os.environ, KVINFER_ISA=lv, PYTHONPATH=root)
         out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape], env=env,
@@ -223,8 +190,9 @@ def test_moe_routing_variants_decode_fused_bitwise(tmp_path, top_k, renormalise)
     assert unsupported_reason(eng.loaded.model, eng.kv_cache) is None
     prompts = [[3 + (11 * i + j) % 150 for j in range(2 + 4 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2) for i in range(6)]
-    fused = _run(llm, prompts, params, True)
-    assert eng.runner._fused is not None
+    with fused_calls() as calls:
+        fused = _run(llm, prompts, params, True)
+    assert calls and eng.runner._fused is not None  # decode steps went through the C step
     eager = _run(llm, prompts, params, False)
     for a, b in zip(fused, eager):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
