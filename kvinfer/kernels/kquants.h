@@ -35,6 +35,11 @@ struct kq_job {
 #define KC_ROUTE_ROWS 2 /* rows up to which the copy's own route runs (docs/BENCHMARKS.md) */
 #endif
 
+/* Q4_K and Q5_K quants are unsigned and below 32, so they can be vpdpbusd's unsigned operand against the signed hi
+ * bytes: D = 256 * sum(hi q) + sum(lo q), the same int32 without S, whose dot products cost as much as hi's at one
+ * row. Their activations come with hi as a signed byte (the kept route's caller flips hi + 128 back). */
+static inline int kc_signed_hi(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K; }
+
 #if KVQ_LEVEL >= 1
 /* ---- kept copies (the avx2 and avx512 levels): the super-blocks of KC output columns laid out once ----
  * kvq_amx_tiles_pack hands K-quant weights here, and kvq_kq_matmul reads the copy it is passed instead of the GGUF

@@ -170,6 +170,18 @@ static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, con
     return _mm512_add_epi32(c0, c1);
 }
 
+/* kc_dot with the operands' roles swapped: W's bytes unsigned (quants 0..31), the 4 bytes at xb + 4k signed. */
+static inline __attribute__((always_inline)) kc_vi kc_dot_s(const uint8_t *xb, const kc_vi *W, int k0, int n) {
+    int32_t a[8];
+    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
+    __m512i c0 = _mm512_setzero_si512(), c1 = c0;
+    for (int k = 0; k < n; k += 2) {
+        c0 = _mm512_dpbusd_epi32(c0, W[k0 + k], _mm512_set1_epi32(a[k]));
+        c1 = _mm512_dpbusd_epi32(c1, W[k0 + k + 1], _mm512_set1_epi32(a[k + 1]));
+    }
+    return _mm512_add_epi32(c0, c1);
+}
+
 static inline void kc_store(float *y, kc_vf v, int g) {
     _mm512_mask_storeu_ps(y, g == KC ? (__mmask16)0xffff : (__mmask16)((1u << g) - 1), v);
 }
@@ -208,6 +220,21 @@ static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, con
     for (int k = 0; k < n; k += 2) {
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a[k]), W[k0 + k]),
                                            _mm256_maddubs_epi16(_mm256_set1_epi32(a[k + 1]), W[k0 + k + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones16));
+    }
+    return acc;
+}
+
+/* kc_dot with the operands' roles swapped: W's bytes unsigned (quants 0..31), the 4 bytes at xb + 4k signed
+ * (|pair sum| <= 2 * 31 * 128, two of them still below 2^15). */
+static inline __attribute__((always_inline)) kc_vi kc_dot_s(const uint8_t *xb, const kc_vi *W, int k0, int n) {
+    int32_t a[8];
+    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < n; k += 2) {
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(W[k0 + k], _mm256_set1_epi32(a[k])),
+                                           _mm256_maddubs_epi16(W[k0 + k + 1], _mm256_set1_epi32(a[k + 1])));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones16));
     }
     return acc;
@@ -313,13 +340,12 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
                     W[k] = kc_or(W[k], kc_slli16(kc_and(kc_srli16(hb, j), one), 4));
                 }
             }
-            const kc_vi s15 = kc_slli32(kc_dot(kc_ones, W, 0, 8), 15);
             const kc_vf vds = kc_mul(vd, kc_u8f(sb + so + KC * j));
             const kc_vf vdm = kc_mul(vmin, kc_u8f(sb + so + 8 * KC + KC * j));
 #pragma GCC unroll 8
             for (int r = 0; r < MT; r++) {
-                const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
-                const kc_vi D = kc_block(xr, W, 0, 8, s15);
+                const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64; /* hi signed here (kc_signed_hi) */
+                const kc_vi D = kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 8), 8), kc_dot(xr + 32, W, 0, 8));
                 acc[r] = kc_fma(kc_cvt(D), kc_mul(vds, kc_set1f(dx[r * nb + s * 8 + j])), acc[r]);
                 acc[r] = kc_fnma(vdm, kc_set1f(sx[r * nb + s * 8 + j]), acc[r]);
             }
