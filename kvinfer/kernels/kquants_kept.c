@@ -158,26 +158,29 @@ typedef __m512 kc_vf;
 #define kc_bcast16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define kc_lookup8(tbl, a) _mm512_shuffle_epi8(tbl, a)
 
+/* The 4 bytes at p in every 32-bit lane, broadcast from memory (a load; not through a general register). */
+static inline __attribute__((always_inline)) __m512i kc_bcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 /* sum over k in [k0, k0 + n) of the 4 bytes at xb + 4k times W[k], per column (vpdpbusd, two chains). */
 static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
-    int32_t a[8];
-    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
     __m512i c0 = _mm512_setzero_si512(), c1 = c0;
     for (int k = 0; k < n; k += 2) {
-        c0 = _mm512_dpbusd_epi32(c0, _mm512_set1_epi32(a[k]), W[k0 + k]);
-        c1 = _mm512_dpbusd_epi32(c1, _mm512_set1_epi32(a[k + 1]), W[k0 + k + 1]);
+        c0 = _mm512_dpbusd_epi32(c0, kc_bcast4(xb + 4 * (k0 + k)), W[k0 + k]);
+        c1 = _mm512_dpbusd_epi32(c1, kc_bcast4(xb + 4 * (k0 + k + 1)), W[k0 + k + 1]);
     }
     return _mm512_add_epi32(c0, c1);
 }
 
 /* kc_dot with the operands' roles swapped: W's bytes unsigned (quants 0..31), the 4 bytes at xb + 4k signed. */
 static inline __attribute__((always_inline)) kc_vi kc_dot_s(const uint8_t *xb, const kc_vi *W, int k0, int n) {
-    int32_t a[8];
-    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
     __m512i c0 = _mm512_setzero_si512(), c1 = c0;
     for (int k = 0; k < n; k += 2) {
-        c0 = _mm512_dpbusd_epi32(c0, W[k0 + k], _mm512_set1_epi32(a[k]));
-        c1 = _mm512_dpbusd_epi32(c1, W[k0 + k + 1], _mm512_set1_epi32(a[k + 1]));
+        c0 = _mm512_dpbusd_epi32(c0, W[k0 + k], kc_bcast4(xb + 4 * (k0 + k)));
+        c1 = _mm512_dpbusd_epi32(c1, W[k0 + k + 1], kc_bcast4(xb + 4 * (k0 + k + 1)));
     }
     return _mm512_add_epi32(c0, c1);
 }
