@@ -44,7 +44,8 @@ static const struct layout layouts[] = {
     AT(kvq_decode_layer, n_experts), AT(kvq_decode_layer, top_k), AT(kvq_decode_layer, expert_inter),
     AT(kvq_decode_layer, router_qt), AT(kvq_decode_layer, renorm),
     AT(kvq_decode_layer, qkv_kept), AT(kvq_decode_layer, o_kept), AT(kvq_decode_layer, gate_up_kept),
-    AT(kvq_decode_layer, down_kept),
+    AT(kvq_decode_layer, down_kept), AT(kvq_decode_layer, shared), AT(kvq_decode_layer, shared_gate),
+    AT(kvq_decode_layer, shared_gate_ldw), AT(kvq_decode_layer, shared_inter), AT(kvq_decode_layer, shared_gate_qt),
 
     SIZE(kvq_decode),
     AT(kvq_decode, x), AT(kvq_decode, layers), AT(kvq_decode, cos), AT(kvq_decode, sin), AT(kvq_decode, slots),

@@ -83,7 +83,9 @@ class DecodeLayer(ctypes.Structure):
                [("experts", _vp), ("router", _vp)] + \
                [(n, _i64) for n in ("router_ldw", "n_experts", "top_k", "expert_inter")] + \
                [("router_qt", _i32), ("renorm", _i32)] + \
-               [(n, _vp) for n in ("qkv_kept", "o_kept", "gate_up_kept", "down_kept")]
+               [(n, _vp) for n in ("qkv_kept", "o_kept", "gate_up_kept", "down_kept")] + \
+               [("shared", DecodeExpert), ("shared_gate", _vp), ("shared_gate_ldw", _i64), ("shared_inter", _i64),
+                ("shared_gate_qt", _i32)]
 
 
 class DecodeJob(ctypes.Structure):

@@ -32,6 +32,48 @@ static int project(const float *x, int64_t B, int64_t K, const uint8_t *w, int64
     return col == N ? KVQ_OK : KVQ_EBADSHAPE;
 }
 
+/* y[b] += sigmoid(gate . h[b]) * shared(h[b]) for each of the B rows: the gated shared expert, added after the
+ * routed experts' sum as MoE.forward adds it, by the same calls. The gate's one-column matmul (kvq_matmul, as
+ * KernelLinear runs it); moe.py's _sigmoid: kvq_silu_mul_rows over rows [g, 1] (g * sigmoid(g)), divided by g, 0.5
+ * where g is 0; the SwiGLU over all B rows at once (gate-up, kvq_silu_mul_rows, down), as the module runs it; then
+ * per element a product and a sum, each rounded, as torch's two elementwise ops: the library is built with
+ * -ffp-contract=off, so the compiler cannot fuse them into one FMA. */
+static int shared_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_decode_layer *p, float *y,
+                      int nthreads) {
+    const int64_t I = p->shared_inter;
+    const struct kvq_expert *s = &p->shared;
+    float *g = (float *)malloc(sizeof(float) * (size_t)(4 * B)); /* g [B], then [B, 2] rows [g, 1], then [B] */
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(B * 2 * I));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(B * I));
+    float *out = (float *)malloc(sizeof(float) * (size_t)(B * hid));
+    int rc = KVQ_OK;
+    if (!g || !gu || !act || !out) {
+        rc = KVQ_ENOMEM;
+        goto done;
+    }
+    float *g1 = g + B, *sig = g + 3 * B;
+    rc = kvq_matmul(h, B, hid, hid, p->shared_gate, 1, p->shared_gate_ldw, p->shared_gate_qt, NULL, NULL, g, 1,
+                    nthreads);
+    if (rc) goto done;
+    for (int64_t b = 0; b < B; b++) g1[2 * b] = g[b], g1[2 * b + 1] = 1.0f; /* [B, 2]: torch.cat([g, 1]) */
+    kvq_silu_mul_rows(g1, B, 1, 2, sig, nthreads);
+    for (int64_t b = 0; b < B; b++) sig[b] = g[b] == 0.0f ? 0.5f : sig[b] / g[b];
+    rc = project(h, B, hid, s->gate_up, 2 * I, s->gate_up_ldw, s->gate_up_qt, s->gate_up_kept, s->gate_up_parts,
+                 s->gate_up_nparts, gu, nthreads);
+    if (rc) goto done;
+    kvq_silu_mul_rows(gu, B, I, 2 * I, act, nthreads);
+    rc = kvq_matmul(act, B, I, I, s->down, hid, s->down_ldw, s->down_qt, s->down_kept, NULL, out, hid, nthreads);
+    if (rc) goto done;
+    for (int64_t b = 0; b < B; b++) {
+        float *yr = y + b * hid;
+        const float *o = out + b * hid, sb = sig[b];
+        for (int64_t i = 0; i < hid; i++) yr[i] = yr[i] + sb * o[i];
+    }
+done:
+    free(g), free(gu), free(act), free(out);
+    return rc;
+}
+
 /* y[B, hid] = the mixture-of-experts FFN of the normed rows h [B, hid], as layers/moe.py's MoE.forward computes
  * it: router logits by kvq_matmul, each row's experts and weights by kvq_moe_route, the rows' (row, rank) entries
  * grouped by expert (stably: by row, then rank, within an expert), each expert's gate-up over its rows, one
@@ -112,6 +154,7 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
             for (int64_t i = 0; i < hid; i++) yr[i] = yr[i] + o[i] * wr;
         }
     }
+    if (p->shared_inter > 0) rc = shared_ffn(h, B, hid, p, y, nthreads);
 done:
     free(logits), free(w), free(ex), free(at), free(start), free(live), free(xs), free(gu), free(act), free(out);
     return rc;

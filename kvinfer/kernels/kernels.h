@@ -142,6 +142,13 @@ struct kvq_decode_layer {
     int64_t router_ldw, n_experts, top_k, expert_inter;
     int32_t router_qt, renorm;
     const uint8_t *qkv_kept, *o_kept, *gate_up_kept, *down_kept; /* the matrices' kept copies, or NULL */
+    /* shared_inter > 0 (with experts set): a gated shared expert beside the routed ones (Qwen2-MoE), run on every
+     * row: shared (shared_inter wide) and its gate [1, hidden], a row of shared_gate_ldw bytes of type
+     * shared_gate_qt (see decode_step.c: shared_ffn). */
+    struct kvq_expert shared;
+    const uint8_t *shared_gate;
+    int64_t shared_gate_ldw, shared_inter;
+    int32_t shared_gate_qt;
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */

@@ -3,8 +3,8 @@
 The eager path costs about 20 small torch ops and module calls per layer per step; for a 30-layer model with
 single-token steps that dispatch overhead rivals the arithmetic. FusedDecode runs the same computation
 (RMSNorm, fused QKV, q/k norms where the model has them, rotate-half RoPE, K/V written to the paged pools, paged
-attention, SwiGLU or a mixture of SwiGLU experts, residuals) in C with the same quantised-matmul and attention
-kernels. It applies only where every piece matches exactly; any other model, dtype, device or backend keeps the
+attention, SwiGLU or a mixture of SwiGLU experts with an optional gated shared one, residuals) in C with the same
+quantised-matmul and attention kernels. It applies only where every piece matches exactly; any other model, dtype, device or backend keeps the
 eager path.
 """
 from __future__ import annotations
@@ -41,24 +41,42 @@ def _moe_reason(mlp) -> Optional[str]:
     """None when the C step computes this mixture-of-experts layer as MoE.forward does (moe_ffn in decode_step.c)."""
     if not isinstance(mlp, MoE):
         return "an expert layer that is not layers/moe.py's MoE"
-    if mlp.shared is not None:
-        return "a shared expert (Qwen2-MoE)"
     if mlp.owned is not None or mlp.combine_picked is not None:
         return "experts dealt out to tensor-parallel ranks (an all-reduce inside the layer)"
     if not kernels.batch_invariant():
         return "experts with batch invariance off (the router and experts may take torch's matmuls)"
-    r = mlp.router
-    if (not isinstance(r, KernelLinear) or r.bias is not None or r.weight.dtype not in kernels.FLOAT_TYPES
-            or not r.weight.is_cpu or not r.weight.is_contiguous()):
+    if not _float_kernel_linear(mlp.router):
         return "a router that is not a bias-free contiguous float KernelLinear"
     inter = mlp.experts[0].inter if isinstance(mlp.experts[0], SwiGLU) else 0
     for ex in mlp.experts:
         if not isinstance(ex, SwiGLU) or ex.activation != "silu" or ex.inter != inter:
             return "experts that are not SwiGLUs of one width"
-        for proj, fused in ((ex.gate_up, True), (ex.down, False)):
-            reason = _projection_reason(proj, fused)
-            if reason is not None:
-                return f"an expert with {reason}"
+        reason = _swiglu_reason(ex)
+        if reason is not None:
+            return f"an expert with {reason}"
+    if mlp.shared is not None:  # Qwen2-MoE's gated shared expert (shared_ffn in decode_step.c)
+        if not isinstance(mlp.shared, SwiGLU) or mlp.shared.activation != "silu":
+            return "a shared expert that is not a SwiGLU"
+        reason = _swiglu_reason(mlp.shared)
+        if reason is not None:
+            return f"a shared expert with {reason}"
+        if not _float_kernel_linear(mlp.shared_gate) or mlp.shared_gate.out_features != 1:
+            return "a shared expert gate that is not a bias-free contiguous float KernelLinear of one output"
+    return None
+
+
+def _float_kernel_linear(lin) -> bool:
+    """Whether lin is a bias-free KernelLinear over a contiguous CPU float weight: its forward is kvq_matmul's."""
+    return (isinstance(lin, KernelLinear) and lin.bias is None and lin.weight.dtype in kernels.FLOAT_TYPES
+            and lin.weight.is_cpu and lin.weight.is_contiguous())
+
+
+def _swiglu_reason(ex: SwiGLU) -> Optional[str]:
+    """None when a SwiGLU's gate-up (or its parts) and down are projections the C step runs."""
+    for proj, fused in ((ex.gate_up, True), (ex.down, False)):
+        reason = _projection_reason(proj, fused)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -162,6 +180,12 @@ class FusedDecode:
         e.router_ldw, e.router_qt = w.stride(0) * w.element_size(), kernels.FLOAT_TYPES[w.dtype]
         e.n_experts, e.top_k, e.expert_inter = moe.num_experts, moe.top_k, moe.experts[0].inter
         e.renorm = int(moe.renormalise)
+        if moe.shared is not None:
+            self._set_projection(e.shared, "gate_up", moe.shared.gate_up)
+            self._set_projection(e.shared, "down", moe.shared.down)
+            g = moe.shared_gate.weight
+            e.shared_gate, e.shared_gate_qt = g.data_ptr(), kernels.FLOAT_TYPES[g.dtype]
+            e.shared_gate_ldw, e.shared_inter = g.stride(0) * g.element_size(), moe.shared.inter
 
     def _set_projection(self, e, name: str, lin) -> None:
         """The fields name, name_ldw, name_qt, name_kept (or name_parts, name_nparts) of a layer or expert entry."""

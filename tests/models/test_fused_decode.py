@@ -107,6 +107,9 @@ mg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mg)
 path = mg.write_direct(__import__("pathlib").Path(sys.argv[2]), sys.argv[3], "Q8_0", seed=5)
 llm = LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8, block_size=16)
+if sys.argv[4] == "shared":
+    from tests.models.test_fused_decode import with_shared_experts
+    with_shared_experts(llm)
 reason = unsupported_reason(llm.engine.loaded.model, llm.engine.kv_cache)
 prompts = [[2 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(5)]
 params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.9, seed=11 + i, max_tokens=8 + 3 * i, ignore_eos=True,
@@ -122,7 +125,7 @@ print(json.dumps([kernels.level(), reason, n_calls, runs]))
 """
 
 
-def _levels_run(shape: str, tmp_path) -> dict:
+def _levels_run(shape: str, tmp_path, graft: str = "") -> dict:
     import json
     import os
     import subprocess
@@ -133,8 +136,8 @@ def _levels_run(shape: str, tmp_path) -> dict:
     levels, runs = levels_here(), {}
     for lv in levels:
         env = dict(os.environ, KVINFER_ISA=lv, PYTHONPATH=root)
-        out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape], env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape, graft],
+                             env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         level, reason, calls, result = json.loads(out.stdout.strip().splitlines()[-1])
         assert level == lv and reason is None, (level, reason)
@@ -162,6 +165,41 @@ def test_qwen3_moe_decodes_fused_bitwise_at_every_level(tmp_path):
     _levels_run("tiny-qwen3moe", tmp_path)
 
 
+def with_shared_experts(llm, inter: int = 64, seed: int = 3) -> None:
+    """Gives every layer of a tiny Qwen3-MoE GGUF model a gated shared expert, as Qwen2-MoE has (the GGUF loader
+    does not read ffn_*_shexp tensors): a SwiGLU of Q8_0 gate-up and down beside a float gate, the kinds the
+    loader makes for experts and routers. Random weights make the FFN small next to the residual stream and a
+    last-bit difference in it would be rounded away: a wider FFN norm and shared weights of the routed experts'
+    size make it dominate, and the gate's logits stay near zero, where the sigmoid's every bit shows."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kvinfer.layers.mlp import SwiGLU
+    from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    for layer in llm.engine.loaded.model.layers:
+        hid = layer.post_attn_norm.weight.shape[0]
+        shared = SwiGLU(hid, inter)
+        for name, shape in (("gate_up", (2 * inter, hid)), ("down", (hid, inter))):
+            w = (0.05 * torch.randn(shape, generator=gen)).numpy().astype(np.float32)
+            raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q8_0))
+            setattr(shared, name, QuantLinear.from_raw(raw, "Q8_0", shape))
+        layer.mlp.shared = shared
+        layer.mlp.shared_gate = KernelLinear(0.01 * torch.randn(1, hid, generator=gen))
+        with torch.no_grad():
+            layer.post_attn_norm.weight.mul_(8.0)
+
+
+@needs_kernels
+def test_qwen2_moe_shared_expert_decodes_fused_bitwise_at_every_level(tmp_path):
+    # The gated shared expert runs in the C step by the eager path's calls: the gate's one-column matmul, the
+    # sigmoid as moe.py's _sigmoid computes it, the SwiGLU over all rows, then a rounded product added to the
+    # routed sum; a batched decode (greedy and sampled rows) is the eager path's bit for bit, at every ISA level.
+    _levels_run("tiny-qwen3moe", tmp_path, "shared")
+
+
 def _tiny_moe(tmp_path):
     import importlib.util
     from pathlib import Path
@@ -175,18 +213,23 @@ def _tiny_moe(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("top_k, renormalise", [(1, False), (3, False), (4, True)])
-def test_moe_routing_variants_decode_fused_bitwise(tmp_path, top_k, renormalise):
+@pytest.mark.parametrize("top_k, renormalise, shared", [(1, False, False), (3, False, False), (4, True, False),
+                                                       (1, False, True), (3, True, True)])
+def test_moe_routing_variants_decode_fused_bitwise(tmp_path, top_k, renormalise, shared):
     # Both paths read the layer's top_k and renormalise: one expert per row (no sum), three or four (the running
-    # sum past the first two ranks), raw softmax weights (Qwen3-MoE's default) and renormalised ones (Mixtral's).
+    # sum past the first two ranks), raw softmax weights (Qwen3-MoE's default) and renormalised ones (Mixtral's);
+    # with a shared expert, added to a single rank's product or to a running sum.
     llm = _tiny_moe(tmp_path)
     eng = llm.engine
+    if shared:
+        with_shared_experts(llm)  # (its FFN norms widened as below)
     for layer in eng.loaded.model.layers:
         layer.mlp.top_k, layer.mlp.renormalise = top_k, renormalise
         # Random weights make the experts' output small next to the residual stream, where a last-bit difference
         # in it would be rounded away: a wider norm makes it dominate, so the comparison sees its every bit.
-        with torch.no_grad():
-            layer.post_attn_norm.weight.mul_(8.0)
+        if not shared:
+            with torch.no_grad():
+                layer.post_attn_norm.weight.mul_(8.0)
     assert unsupported_reason(eng.loaded.model, eng.kv_cache) is None
     prompts = [[3 + (11 * i + j) % 150 for j in range(2 + 4 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=2) for i in range(6)]
@@ -214,9 +257,16 @@ def test_moe_layers_the_c_step_cannot_run_say_why(tmp_path):
     moe.owned = frozenset({0, 2})  # experts dealt out to ranks: an all-reduce inside the layer
     assert "tensor-parallel" in unsupported_reason(model, kv)
     moe.owned = None
-    moe.shared = nn.Identity()  # Qwen2-MoE's shared expert: not in the C step
-    assert "shared expert" in unsupported_reason(model, kv)
-    moe.shared = None
+    with_shared_experts(llm)  # Qwen2-MoE's gated shared expert: in the C step, where its pieces are
+    assert unsupported_reason(model, kv) is None
+    shared, gate = moe.shared, moe.shared_gate
+    moe.shared = nn.Identity()
+    assert "shared expert that is not a SwiGLU" in unsupported_reason(model, kv)
+    moe.shared = shared
+    moe.shared_gate = nn.Linear(gate.in_features, 1, bias=True)
+    assert "shared expert gate" in unsupported_reason(model, kv)
+    moe.shared_gate = gate
+    assert unsupported_reason(model, kv) is None
     with override(batch_invariant=False):
         assert "batch invariance" in unsupported_reason(model, kv)
     assert unsupported_reason(model, kv) is None
