@@ -30,6 +30,8 @@ SHAPES = {
     "tiny": ("llama", 64, 2, 4, 2, 16, 128, True, 10000.0, False),
     "tiny-256": ("llama", 256, 2, 4, 2, 64, 512, True, 10000.0, False),  # rows of whole K-quant blocks
     "tiny-qwen3": ("qwen3", 64, 2, 4, 2, 32, 128, True, 1000000.0, False),
+    "tiny-qwen2": ("qwen2", 64, 2, 4, 2, 16, 128, True, 1000000.0, True),
+    "tiny-256-qwen2": ("qwen2", 256, 2, 4, 2, 64, 512, True, 1000000.0, True),  # K-quant blocks (Q4_K_M)
     "llama-3.2-1b": ("llama", 2048, 16, 32, 8, 64, 8192, True, 500000.0, False),
     "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 128, 3072, True, 1000000.0, False),
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 64, 4864, True, 1000000.0, True),

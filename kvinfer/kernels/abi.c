@@ -24,7 +24,7 @@ static const struct layout layouts[] = {
     AT(kvq_attn, scale), AT(kvq_attn, nthreads), AT(kvq_attn, kv_dtype),
 
     SIZE(kvq_part),
-    AT(kvq_part, w), AT(kvq_part, rows), AT(kvq_part, ldw), AT(kvq_part, qt), AT(kvq_part, kept),
+    AT(kvq_part, w), AT(kvq_part, rows), AT(kvq_part, ldw), AT(kvq_part, qt), AT(kvq_part, kept), AT(kvq_part, bias),
 
     SIZE(kvq_expert),
     AT(kvq_expert, gate_up), AT(kvq_expert, down), AT(kvq_expert, gate_up_ldw), AT(kvq_expert, down_ldw),
@@ -46,6 +46,8 @@ static const struct layout layouts[] = {
     AT(kvq_decode_layer, qkv_kept), AT(kvq_decode_layer, o_kept), AT(kvq_decode_layer, gate_up_kept),
     AT(kvq_decode_layer, down_kept), AT(kvq_decode_layer, shared), AT(kvq_decode_layer, shared_gate),
     AT(kvq_decode_layer, shared_gate_ldw), AT(kvq_decode_layer, shared_inter), AT(kvq_decode_layer, shared_gate_qt),
+    AT(kvq_decode_layer, qkv_bias), AT(kvq_decode_layer, o_bias), AT(kvq_decode_layer, gate_up_bias),
+    AT(kvq_decode_layer, down_bias),
 
     SIZE(kvq_decode),
     AT(kvq_decode, x), AT(kvq_decode, layers), AT(kvq_decode, cos), AT(kvq_decode, sin), AT(kvq_decode, slots),

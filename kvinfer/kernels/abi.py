@@ -56,9 +56,10 @@ class AttnJob(ctypes.Structure):
 
 
 class DecodePart(ctypes.Structure):
-    """struct kvq_part: one part of a fused projection whose parts differ in type (kept: its weight's kept copy)."""
+    """struct kvq_part: one part of a fused projection whose parts differ in type (kept: its weight's kept copy; bias:
+    its slice of the projection's bias, or None)."""
     c_struct = "kvq_part"
-    _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32), ("kept", _vp)]
+    _fields_ = [("w", _vp), ("rows", _i64), ("ldw", _i64), ("qt", _i32), ("kept", _vp), ("bias", _vp)]
 
 
 MAX_PARTS = 3  # KVQ_MAX_PARTS (checked by tests/kernels/test_kernel_abi.py)
@@ -85,7 +86,8 @@ class DecodeLayer(ctypes.Structure):
                [("router_qt", _i32), ("renorm", _i32)] + \
                [(n, _vp) for n in ("qkv_kept", "o_kept", "gate_up_kept", "down_kept")] + \
                [("shared", DecodeExpert), ("shared_gate", _vp), ("shared_gate_ldw", _i64), ("shared_inter", _i64),
-                ("shared_gate_qt", _i32)]
+                ("shared_gate_qt", _i32)] + \
+               [(n, _vp) for n in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
 
 
 class DecodeJob(ctypes.Structure):

@@ -1,9 +1,9 @@
-/* A whole decode step of a Llama-style decoder (RMSNorm, fused QKV, optional q/k norms, rotate-half RoPE, K/V
- * store, paged attention, fused gate-up SwiGLU or a mixture of SwiGLU experts, residuals) over every layer in one
- * call, for float32 activations and GGML-quantised weights. It calls the very functions the eager path calls one
- * op at a time (kvq_matmul, kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul, kvq_moe_route), in the same
- * order, so a token decoded here or in a mixed eager step gets the same bits; what goes away is the eager path's
- * per-op dispatch cost.
+/* A whole decode step of a Llama-style decoder (RMSNorm, fused QKV with optional biases (Qwen2), optional q/k norms,
+ * rotate-half RoPE, K/V store, paged attention, fused gate-up SwiGLU or a mixture of SwiGLU experts, residuals) over
+ * every layer in one call, for float32 activations and GGML-quantised weights. It calls the very functions the
+ * eager path calls one op at a time (kvq_matmul, kvq_attention, kvq_rms_norm_row, kvq_rope, kvq_silu_mul,
+ * kvq_moe_route), in the same order, so a token decoded here or in a mixed eager step gets the same bits; what goes
+ * away is the eager path's per-op dispatch cost.
  *
  * x [B, hidden] is the residual stream: the embedding rows of ids on entry (looked up here when embed is set);
  * on return it holds the last layer's output, and with final_norm set the step also applies the final norm (into
@@ -16,16 +16,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* y[B, N] = x @ W^T for a projection of N output columns: one matrix, or parts side by side (each part's columns
- * computed by the same kernel a matmul of that part alone runs, so the bits are the per-op path's). */
+/* y[B, N] = x @ W^T (+ bias) for a projection of N output columns: one matrix, or parts side by side (each part's
+ * columns computed by the same kernel a matmul of that part alone runs, so the bits are the per-op path's). The
+ * bias goes into kvq_matmul, as the eager path's QuantLinear passes it (one add after each column's sum); a
+ * projection in parts takes each part's own bias slice, as each part's QuantLinear holds it, and bias is unused. */
 static int project(const float *x, int64_t B, int64_t K, const uint8_t *w, int64_t N, int64_t ldw, int qt,
-                   const uint8_t *kept, const struct kvq_part *parts, int nparts, float *y, int nthreads) {
-    if (nparts <= 0) return kvq_matmul(x, B, K, K, w, N, ldw, qt, kept, NULL, y, N, nthreads);
+                   const uint8_t *kept, const float *bias, const struct kvq_part *parts, int nparts, float *y,
+                   int nthreads) {
+    if (nparts <= 0) return kvq_matmul(x, B, K, K, w, N, ldw, qt, kept, bias, y, N, nthreads);
     int64_t col = 0;
     for (int i = 0; i < nparts; i++) {
         if (col + parts[i].rows > N) return KVQ_EBADSHAPE;
         const int rc = kvq_matmul(x, B, K, K, parts[i].w, parts[i].rows, parts[i].ldw, parts[i].qt, parts[i].kept,
-                                  NULL, y + col, N, nthreads);
+                                  parts[i].bias, y + col, N, nthreads);
         if (rc) return rc;
         col += parts[i].rows;
     }
@@ -58,8 +61,8 @@ static int shared_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_d
     for (int64_t b = 0; b < B; b++) g1[2 * b] = g[b], g1[2 * b + 1] = 1.0f; /* [B, 2]: torch.cat([g, 1]) */
     kvq_silu_mul_rows(g1, B, 1, 2, sig, nthreads);
     for (int64_t b = 0; b < B; b++) sig[b] = g[b] == 0.0f ? 0.5f : sig[b] / g[b];
-    rc = project(h, B, hid, s->gate_up, 2 * I, s->gate_up_ldw, s->gate_up_qt, s->gate_up_kept, s->gate_up_parts,
-                 s->gate_up_nparts, gu, nthreads);
+    rc = project(h, B, hid, s->gate_up, 2 * I, s->gate_up_ldw, s->gate_up_qt, s->gate_up_kept, NULL,
+                 s->gate_up_parts, s->gate_up_nparts, gu, nthreads);
     if (rc) goto done;
     kvq_silu_mul_rows(gu, B, I, 2 * I, act, nthreads);
     rc = kvq_matmul(act, B, I, I, s->down, hid, s->down_ldw, s->down_qt, s->down_kept, NULL, out, hid, nthreads);
@@ -120,7 +123,7 @@ static int moe_ffn(const float *h, int64_t B, int64_t hid, const struct kvq_deco
         const int64_t e = live[j], a = e ? start[e - 1] : 0, c = start[e] - a;
         const struct kvq_expert *x = p->experts + e;
         const int r = project(xs + a * hid, c, hid, x->gate_up, 2 * I, x->gate_up_ldw, x->gate_up_qt, x->gate_up_kept,
-                              x->gate_up_parts, x->gate_up_nparts, gu + a * 2 * I, inner);
+                              NULL, x->gate_up_parts, x->gate_up_nparts, gu + a * 2 * I, inner);
         if (r) {
 #pragma omp atomic write
             rc = r;
@@ -190,8 +193,8 @@ int kvq_decode_step(const struct kvq_decode *d) {
     for (int64_t l = 0; l < d->L && rc == KVQ_OK; l++) {
         const struct kvq_decode_layer *p = d->layers + l;
         kvq_rms_norm(d->x, B, hid, p->attn_norm, h, hid, hid, d->eps, 1);
-        rc = project(h, B, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, p->qkv_kept, p->qkv_parts, p->qkv_nparts, qkv,
-                     d->nthreads);
+        rc = project(h, B, hid, p->qkv, nqkv, p->qkv_ldw, p->qkv_qt, p->qkv_kept, p->qkv_bias, p->qkv_parts,
+                     p->qkv_nparts, qkv, d->nthreads);
         if (rc) break;
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * nqkv;
@@ -215,7 +218,7 @@ int kvq_decode_step(const struct kvq_decode *d) {
                                    d->scale, d->nthreads, d->kv_dtype};
         rc = kvq_attention(&j);
         if (rc) break;
-        rc = kvq_matmul(att, B, qs, qs, p->o, hid, p->o_ldw, p->o_qt, p->o_kept, NULL, y, hid, d->nthreads);
+        rc = kvq_matmul(att, B, qs, qs, p->o, hid, p->o_ldw, p->o_qt, p->o_kept, p->o_bias, y, hid, d->nthreads);
         if (rc) break;
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
 
@@ -227,11 +230,11 @@ int kvq_decode_step(const struct kvq_decode *d) {
             continue;
         }
         rc = project(h, B, hid, p->gate_up, 2 * inter, p->gate_up_ldw, p->gate_up_qt, p->gate_up_kept,
-                     p->gate_up_parts, p->gate_up_nparts, gu, d->nthreads);
+                     p->gate_up_bias, p->gate_up_parts, p->gate_up_nparts, gu, d->nthreads);
         if (rc) break;
         kvq_silu_mul_rows(gu, B, inter, 2 * inter, act, d->nthreads);
-        rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, p->down_kept, NULL, y, hid,
-                        d->nthreads);
+        rc = kvq_matmul(act, B, inter, inter, p->down, hid, p->down_ldw, p->down_qt, p->down_kept, p->down_bias, y,
+                        hid, d->nthreads);
         if (rc) break;
         for (int64_t i = 0; i < B * hid; i++) d->x[i] = d->x[i] + y[i];
     }

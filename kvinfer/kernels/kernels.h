@@ -110,6 +110,7 @@ struct kvq_part {
     int64_t rows, ldw;
     int32_t qt;
     const uint8_t *kept;
+    const float *bias; /* float32 [rows], the part's own slice of the projection's bias (kvq_matmul's), or NULL */
 };
 #define KVQ_MAX_PARTS 3
 /* One expert of a mixture-of-experts layer: its fused gate-up (2 * expert_inter rows, or parts) and its down. */
@@ -149,6 +150,9 @@ struct kvq_decode_layer {
     const uint8_t *shared_gate;
     int64_t shared_gate_ldw, shared_inter;
     int32_t shared_gate_qt;
+    /* Float32 biases of the dense projections ([N] each, passed to kvq_matmul as the eager path passes them: one add
+     * after a column's sum), or NULL: Qwen2's q/k/v. A projection in parts takes its parts' biases instead. */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 };
 struct kvq_decode {
     float *x;                                  /* [B, hidden] residual stream, updated in place */

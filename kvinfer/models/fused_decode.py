@@ -2,10 +2,10 @@
 
 The eager path costs about 20 small torch ops and module calls per layer per step; for a 30-layer model with
 single-token steps that dispatch overhead rivals the arithmetic. FusedDecode runs the same computation
-(RMSNorm, fused QKV, q/k norms where the model has them, rotate-half RoPE, K/V written to the paged pools, paged
-attention, SwiGLU or a mixture of SwiGLU experts with an optional gated shared one, residuals) in C with the same
-quantised-matmul and attention kernels. It applies only where every piece matches exactly; any other model, dtype, device or backend keeps the
-eager path.
+(RMSNorm, fused QKV with its biases where the model has them (Qwen2), q/k norms where the model has them,
+rotate-half RoPE, K/V written to the paged pools, paged attention, SwiGLU or a mixture of SwiGLU experts with an
+optional gated shared one, residuals) in C with the same quantised-matmul and attention kernels. It applies only
+where every piece matches exactly; any other model, dtype, device or backend keeps the eager path.
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from kvinfer.layers.norm import RMSNorm
 from kvinfer.layers.quant_linear import KernelLinear, QuantEmbedding, QuantLinear, QuantParts
 
 
-def _projection_reason(proj, fused: bool) -> Optional[str]:
-    """None when proj is a bias-free QuantLinear of a kernel type (or, where fused, up to MAX_PARTS of them)."""
+def _projection_reason(proj, fused: bool, biased: bool = False) -> Optional[str]:
+    """None when proj is a QuantLinear of a kernel type (or, where fused, up to MAX_PARTS of them), bias-free unless
+    biased: a dense layer's projections may have one (Qwen2's q/k/v), which the step passes to kvq_matmul as the
+    layer's own kernel call does; an expert's may not (MoE.forward calls the matmuls itself, without one)."""
     if fused and isinstance(proj, QuantParts):  # Q4_K_M's mixed q/k/v: each part its own matmul
         if len(proj.parts) > kernels.MAX_PARTS:
             return f"a projection in {len(proj.parts)} parts (at most {kernels.MAX_PARTS})"
@@ -30,10 +32,16 @@ def _projection_reason(proj, fused: bool) -> Optional[str]:
     else:
         lins = [proj]
     for lin in lins:
-        if not isinstance(lin, QuantLinear) or lin.bias is not None or lin.qtype not in kernels.QTYPES:
-            return "a projection that is not bias-free QuantLinears of kernel types"
+        if not isinstance(lin, QuantLinear) or lin.qtype not in kernels.QTYPES:
+            return "a projection that is not QuantLinears of kernel types"
         if not lin.raw.is_contiguous():
             return "non-contiguous quantised weights"
+        b = lin.bias
+        if b is not None and not biased:
+            return "a biased projection where the C step takes none (an expert's)"
+        if b is not None and (b.dtype != torch.float32 or not b.is_cpu or not b.is_contiguous()
+                              or b.numel() != lin.out_features):
+            return "a projection bias that is not a contiguous float32 CPU vector of its width"
     return None
 
 
@@ -106,7 +114,7 @@ def unsupported_reason(model, backend) -> Optional[str]:
         moe = isinstance(layer.mlp, MoE) or bool(cfg.num_experts)
         mlp = () if moe else ((layer.mlp.gate_up, True), (layer.mlp.down, False))
         for proj, fused in ((layer.attn.qkv, True), (layer.attn.o, False), *mlp):
-            reason = _projection_reason(proj, fused)
+            reason = _projection_reason(proj, fused, biased=True)
             if reason is not None:
                 return reason
         if moe:
@@ -188,19 +196,23 @@ class FusedDecode:
             e.shared_gate_ldw, e.shared_inter = g.stride(0) * g.element_size(), moe.shared.inter
 
     def _set_projection(self, e, name: str, lin) -> None:
-        """The fields name, name_ldw, name_qt, name_kept (or name_parts, name_nparts) of a layer or expert entry."""
+        """The fields name, name_ldw, name_qt, name_kept, name_bias (or name_parts, name_nparts) of a layer or expert
+        entry (an expert entry has no bias field: unsupported_reason refuses biased experts)."""
         if isinstance(lin, QuantParts):
             parts = getattr(e, f"{name}_parts")
             for j, part in enumerate(lin.parts):
                 parts[j].w, parts[j].rows = part.raw.data_ptr(), part.out_features
                 parts[j].ldw, parts[j].qt = part.raw.stride(0), kernels.QTYPES[part.qtype]
                 parts[j].kept = self._kept_ptr(part)
+                parts[j].bias = part.bias.data_ptr() if part.bias is not None else None  # the part's own slice
             setattr(e, f"{name}_nparts", len(lin.parts))
             return
         setattr(e, name, lin.raw.data_ptr())
         setattr(e, f"{name}_ldw", lin.raw.stride(0))
         setattr(e, f"{name}_qt", kernels.QTYPES[lin.qtype])
         setattr(e, f"{name}_kept", self._kept_ptr(lin))
+        if lin.bias is not None:
+            setattr(e, f"{name}_bias", lin.bias.data_ptr())
 
     def _kept_ptr(self, m) -> Optional[int]:
         """The kept copy of a QuantLinear's (or a tied QuantEmbedding's) weight for the table, made first where the

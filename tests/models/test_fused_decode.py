@@ -1,6 +1,8 @@
 """FusedDecode (all layers of a decode step in one C call) against the eager per-layer path."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from tests.conftest import assert_engine_clean
 from tests.kernel_helpers import fused_calls, levels_here, run_fused as _run
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable on this machine")
+LLAMA_QUANTIZE = "/work/llama/build/bin/llama-quantize"  # (scripts/make_gguf.py's default)
 
 
 
@@ -105,12 +108,18 @@ from tests.kernel_helpers import fused_calls, run_fused
 spec = importlib.util.spec_from_file_location("make_gguf", sys.argv[1] + "/scripts/make_gguf.py")
 mg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mg)
-path = mg.write_direct(__import__("pathlib").Path(sys.argv[2]), sys.argv[3], "Q8_0", seed=5)
+path = mg.make(__import__("pathlib").Path(sys.argv[2]), sys.argv[3], sys.argv[5], seed=5)
 llm = LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8, block_size=16)
 if sys.argv[4] == "shared":
     from tests.models.test_fused_decode import with_shared_experts
     with_shared_experts(llm)
+elif sys.argv[4].startswith("bias"):
+    from tests.models.test_fused_decode import with_biases
+    with_biases(llm, more=sys.argv[4] == "bias+")
 reason = unsupported_reason(llm.engine.loaded.model, llm.engine.kv_cache)
+# each layer's q/k/v: the type and whether a bias of each part (one part unless the types differ)
+qkv = [[(p.qtype, p.bias is not None) for p in getattr(layer.attn.qkv, "parts", [layer.attn.qkv])]
+       for layer in llm.engine.loaded.model.layers]
 prompts = [[2 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(5)]
 params = [SamplingParams(temperature=0 if i % 2 == 0 else 0.9, seed=11 + i, max_tokens=8 + 3 * i, ignore_eos=True,
                          logprobs=2) for i in range(5)]
@@ -121,11 +130,13 @@ for fused in (True, False):
     n_calls = len(calls) if fused else n_calls
     runs[str(fused)] = [[list(o.outputs[0].token_ids), [lp.logprob.hex() for lp in o.outputs[0].logprobs]]
                         for o in outs]
-print(json.dumps([kernels.level(), reason, n_calls, runs]))
+print(json.dumps([kernels.level(), reason, n_calls, runs, qkv]))
 """
 
 
-def _levels_run(shape: str, tmp_path, graft: str = "") -> dict:
+def _levels_run(shape: str, tmp_path, graft: str = "", qtype: str = "Q8_0") -> list:
+    """Runs _LEVEL_RUN at every level here and checks fused == eager and every level alike; returns the first
+    level's description of the q/k/v projections."""
     import json
     import os
     import subprocess
@@ -133,13 +144,14 @@ def _levels_run(shape: str, tmp_path, graft: str = "") -> dict:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    levels, runs = levels_here(), {}
+    levels, runs, qkvs = levels_here(), {}, []
     for lv in levels:
         env = dict(os.environ, KVINFER_ISA=lv, PYTHONPATH=root)
-        out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape, graft],
-                             env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run([sys.executable, "-c", _LEVEL_RUN, root, str(tmp_path / f"{lv}.gguf"), shape, graft,
+                              qtype], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        level, reason, calls, result = json.loads(out.stdout.strip().splitlines()[-1])
+        level, reason, calls, result, qkv = json.loads(out.stdout.strip().splitlines()[-1])
+        qkvs.append(qkv)
         assert level == lv and reason is None, (level, reason)
         assert calls > 0  # decode steps went through the C step
         assert result["True"] == result["False"], lv  # fused and eager: the same tokens and logprobs, bit for bit
@@ -147,7 +159,7 @@ def _levels_run(shape: str, tmp_path, graft: str = "") -> dict:
     assert len(runs) >= 2
     for lv in levels[1:]:
         assert runs[lv] == runs[levels[0]], lv  # and every level the same bits
-    return runs
+    return qkvs[0]
 
 
 @needs_kernels
@@ -200,16 +212,88 @@ def test_qwen2_moe_shared_expert_decodes_fused_bitwise_at_every_level(tmp_path):
     _levels_run("tiny-qwen3moe", tmp_path, "shared")
 
 
-def _tiny_moe(tmp_path):
+def with_biases(llm, scale: float = 25.0, more: bool = False, seed: int = 4) -> None:
+    """Scales the q/k/v biases of a Qwen2 GGUF model (each part's, where q/k/v are parts) in place, and with more
+    gives o, gate-up and down random biases too (no GGUF family has them; the C step takes them all). The random
+    file's biases are small next to the matmuls' outputs; scaled, they are as large as the sums or larger (as
+    Qwen2.5's k biases are), so adding them in any other order, or not at all, would change bits."""
+    from kvinfer.layers.quant_linear import QuantLinear, QuantParts
+
+    gen = torch.Generator().manual_seed(seed)
+    for layer in llm.engine.loaded.model.layers:
+        for holder, name in ((layer.attn, "qkv"), *([(layer.attn, "o"), (layer.mlp, "gate_up"),
+                                                     (layer.mlp, "down")] if more else [])):
+            proj = getattr(holder, name)
+            for lin in (proj.parts if isinstance(proj, QuantParts) else [proj]):
+                if lin.bias is not None:
+                    with torch.no_grad():
+                        lin.bias.mul_(scale)  # (the layer's kernel holds the tensor's address: the same after)
+                    continue
+                bias = 0.5 * torch.randn(lin.out_features, generator=gen)
+                new = QuantLinear.from_raw(lin.source(), lin.qtype, (lin.out_features, lin.in_features), bias)
+                assert proj is lin, "a projection in parts without a bias"  # (not made by these tests)
+                setattr(holder, name, new)
+
+
+@needs_kernels
+def test_qwen2_qkv_biases_decode_fused_bitwise_at_every_level(tmp_path):
+    # Qwen2's q/k/v biases (and o, gate-up and down biases, which the C step takes too) go into the very kvq_matmul
+    # calls the eager path's QuantLinears make, so a batched decode (greedy and sampled rows) is the eager path's bit
+    # for bit, at every ISA level.
+    qkv = _levels_run("tiny-qwen2", tmp_path, "bias+")
+    assert all(parts == [["Q8_0", True]] for parts in qkv)
+
+
+@needs_kernels
+@pytest.mark.skipif(not Path(LLAMA_QUANTIZE).is_file(), reason=f"{LLAMA_QUANTIZE} is not built (Q4_K_M needs it)")
+def test_qwen2_q4_k_m_biased_qkv_parts_decode_fused_bitwise_at_every_level(tmp_path):
+    # What Qwen2.5 Q4_K_M files hold: q/k Q4_K and v Q6_K in some layers, each part with its slice of the q/k/v bias,
+    # one kvq_matmul per part with its own bias, as QuantParts runs them.
+    qkv = _levels_run("tiny-256-qwen2", tmp_path, "bias", "Q4_K_M")
+    assert [["Q4_K", True], ["Q4_K", True], ["Q6_K", True]] in qkv  # a layer's q/k/v in parts, each biased
+    assert all(b for parts in qkv for _, b in parts)
+
+
+@needs_kernels
+def test_biases_the_c_step_takes_and_refuses(tmp_path):
+    # A dense layer's biases travel in the table beside their weights; an expert's bias, or a bias of another
+    # dtype, keeps the eager path (and says why).
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    llm = LLM(str(_make(tmp_path / "q2.gguf", "tiny-qwen2")), kv_cache_memory=4 << 20, max_num_seqs=8)
+    model, kv = llm.engine.loaded.model, llm.engine.kv_cache
+    assert unsupported_reason(model, kv) is None
+    fd = FusedDecode(model, kv)
+    for e, layer in zip(fd.layers, model.layers):
+        assert e.qkv_bias == layer.attn.qkv.bias.data_ptr()
+        assert e.o_bias is None and e.gate_up_bias is None and e.down_bias is None
+    qkv = model.layers[1].attn.qkv
+    qkv.bias = qkv.bias.double()
+    assert "float32" in unsupported_reason(model, kv)
+    qkv.bias = qkv.bias.float()
+    assert unsupported_reason(model, kv) is None
+
+    moe = _tiny_moe(tmp_path)
+    model, kv = moe.engine.loaded.model, moe.engine.kv_cache
+    ex = model.layers[0].mlp.experts[3]
+    lin = ex.down
+    ex.down = QuantLinear.from_raw(lin.source(), lin.qtype, (lin.out_features, lin.in_features),
+                                   torch.zeros(lin.out_features))
+    assert "biased projection" in unsupported_reason(model, kv)
+
+
+def _make(path, shape: str, qtype: str = "Q8_0"):
     import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("make_gguf",
                                                   Path(__file__).resolve().parents[2] / "scripts/make_gguf.py")
     mg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mg)
-    path = mg.write_direct(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q8_0", seed=7)
-    return LLM(str(path), kv_cache_memory=4 << 20, max_num_seqs=8)
+    return mg.make(path, shape, qtype, seed=7)
+
+
+def _tiny_moe(tmp_path):
+    return LLM(str(_make(tmp_path / "moe.gguf", "tiny-qwen3moe")), kv_cache_memory=4 << 20, max_num_seqs=8)
 
 
 @needs_kernels
