@@ -14,6 +14,7 @@ from kvinfer.config import EngineConfig
 from kvinfer.layers.quant_linear import QuantLinear
 from kvinfer.loaders.gguf_loader import read_gguf
 from kvinfer.loaders.model_loader import load_model
+from tests.gguf_helpers import write_mixed
 from tests.reference_helpers import step_logits
 
 _spec = importlib.util.spec_from_file_location("make_gguf",
@@ -37,19 +38,20 @@ def test_lazy_blocks_are_owned_copies(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("keep", ["0", "1"])
-def test_rewriting_the_file_after_load_changes_nothing(tmp_path, monkeypatch, keep):
+@pytest.mark.parametrize("keep,file", [("0", "tiny"), ("1", "tiny"), ("1", "mixed")])
+def test_rewriting_the_file_after_load_changes_nothing(tmp_path, monkeypatch, keep, file):
     # 0: the kernels read the GGML rows themselves, not a tile copy; 1 (the default): the copies, packed straight
-    # from the file's mapping where the level keeps them with the rows' pages given back
+    # from the file's mapping where the level keeps them with the rows' pages given back. mixed: an untied
+    # embedding the kernels read as GGML rows, parts of several types, Q5_1 (kept in no copy)
     monkeypatch.setenv("KVINFER_AMX_KEEP", keep)
-    path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
+    path = (make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0") if file == "tiny"
+            else write_mixed(tmp_path / "m.gguf"))
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     prompt = list(range(3, 43))
     before = step_logits(loaded, prompt, [7, 8], "paged")
     size = path.stat().st_size
     with open(path, "r+b") as f:  # same inode: a lazily read mapping would now see zeros
-        f.seek(size // 2)
-        f.write(b"\0" * (size - size // 2))
+        f.write(b"\0" * size)
     after = step_logits(loaded, prompt, [7, 8], "paged")
     assert torch.equal(before, after)
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
