@@ -177,7 +177,8 @@ def _quantize_by_layer(model: Decoder, raw: dict, keep: bool = False) -> int:
     """quantize_from_gguf one layer at a time, dropping each layer's blocks from `raw` as soon as its layers
     hold them: fused q/k/v and gate/up are copied into one buffer, and the parts would otherwise all live until
     the end of the load (those bytes twice at the peak). keep: each layer's weights are kept in the kernels' layout
-    at once, their GGUF pages given back (quantize_from_gguf's keep, then keep_now)."""
+    at once, their GGUF pages given back (quantize_from_gguf's keep: the fused parts are packed, not copied; then
+    keep_now)."""
     from kvinfer.models.quantize import quantize_from_gguf
 
     swapped = 0
