@@ -13,6 +13,14 @@ from .build import LEVELS
 from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, drop_pages
 
 
+def _pack_threads(nbytes: int) -> int:
+    """Threads to pack a kept copy of about nbytes: one per run of _DROP_CHUNK_BYTES at most. Packing writes fresh
+    pages and is bound by faulting them in; for a smaller weight, waking the OpenMP team and waiting for its slowest
+    thread costs more than the second thread saves, and much more when another process holds a core. The bytes are
+    the same whatever the count (each thread packs whole groups of columns)."""
+    return max(1, min(torch.get_num_threads(), nbytes // _DROP_CHUNK_BYTES))
+
+
 def _nt(n: Optional[int]) -> int:
     return torch.get_num_threads() if n is None else int(n)
 
@@ -97,7 +105,7 @@ class Kernels:
             return None
         tiles = torch.empty(nbytes, dtype=torch.uint8)
         drop = drop_source and qtype in _DROPPABLE and (n <= 1 or w.is_contiguous())
-        ld, nt = w.stride(0), torch.get_num_threads()
+        ld, nt = w.stride(0), _pack_threads(n * w.stride(0))
         # Dropping: packed in runs of rows (whole groups of 32 columns), each run's source pages given back once
         # packed, so the copy never sits beside the whole source.
         step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32) if drop else n
@@ -140,7 +148,7 @@ class Kernels:
         if nbytes <= 0:
             return None
         tiles = torch.empty(nbytes, dtype=torch.uint8)
-        group, nt, r0 = self.lib.kvq_amx_tiles_bytes(16, k, qt), torch.get_num_threads(), 0
+        group, nt, r0 = self.lib.kvq_amx_tiles_bytes(16, k, qt), _pack_threads(nbytes), 0
         for p in parts:  # each part as keep_tiles packs a dropped weight: in runs of rows, each given back once packed
             ld = p.stride(0) if p.shape[0] > 1 else p.shape[1]
             step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32)
