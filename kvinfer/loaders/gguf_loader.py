@@ -579,6 +579,8 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         tensors = _unstack_experts({hf: decoded[hf] for hf in names.values()})
         raw = _unstack_experts(raw)
         types = {n: types[n] if n in types else types[_EXPERT_RE.sub(r"\1.\2.weight", n)] for n in tensors}
+        if any_mapped:  # the header is parsed: its pages can go (the caller gives the tensors' back as it packs)
+            f.mm.madvise(mmap.MADV_DONTNEED, 0, f.data_start // mmap.PAGESIZE * mmap.PAGESIZE)
         at = np.frombuffer(f.mm, dtype=np.uint8).ctypes.data if any_mapped else 0
         return GGUFCheckpoint(config=config, tensors=tensors, metadata=f.metadata, tensor_types=types, raw=raw,
                               mapped_span=(at, at + len(f.mm)) if any_mapped else (0, 0))

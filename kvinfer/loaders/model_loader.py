@@ -208,8 +208,9 @@ def keep_now(module: nn.Module) -> None:
 
 def _own_unkept(model: Decoder, span: tuple[int, int]) -> None:
     """Where a weight still views the file's mapping (span) without a kept copy that holds its bytes (an untied
-    embedding, a weight the kernels keep no copy of), reads it into memory of its own, and gives the mapping's
-    pages back: the kernels read it, and must not see a file rewritten after the load."""
+    embedding, a weight the kernels keep no copy of), reads it into memory of its own: the kernels read it, and
+    must not see a file rewritten after the load. Then every page of the mapping is given back (the header's, the
+    pages shared by two tensors): nothing reads them any more."""
     from kvinfer.kernels.kept import drop_pages
     from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
 
@@ -222,12 +223,12 @@ def _own_unkept(model: Decoder, span: tuple[int, int]) -> None:
         if isinstance(m, (QuantLinear, QuantEmbedding)) and span[0] <= m.raw.data_ptr() < span[1] and not held(m):
             if m.raw.data_ptr() not in copies:
                 copies[m.raw.data_ptr()] = m.raw.clone()
-                drop_pages(m.raw.data_ptr(), m.raw.numel())
             m.raw = copies[m.raw.data_ptr()]
             if isinstance(m, QuantLinear):
                 if m._tiles is not None:
                     m._tiles.release(restore=False)
                 m._tiles, m._kernel, m._kernel_checked = None, None, False
+    drop_pages(span[0], span[1] - span[0])
 
 
 @gc_paused
