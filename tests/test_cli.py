@@ -159,3 +159,12 @@ def test_python_dash_m_kvinfer_is_the_kvinfer_command():
     assert ok.returncode == 0 and ok.stdout.startswith("kvinfer ")
     bad = subprocess.run([sys.executable, "-m", "kvinfer", "--bogus"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--bogus" in bad.stderr
+
+
+def test_help_builds_every_parser_without_importing_torch():
+    # Every command's --help (and a mistyped flag's one line) comes from the parsers alone: torch, and the engine
+    # modules that import it, load only when a command runs.
+    code = ("import sys\nfrom kvinfer.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvinfer.engine')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -10,10 +10,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvinfer.config import EngineConfig
-from kvinfer.engine.llm_engine import LLMEngine
 from kvinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported where an engine is built: `kvinfer --help` builds this parser without torch
+    from kvinfer.engine.llm_engine import LLMEngine
 
 
 def workload(num_prefixes: int, prefix_tokens: int, suffix_tokens: int, rounds: int, vocab: int, seed: int):
@@ -39,6 +42,8 @@ def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams):
 
 
 def run_phase(config: EngineConfig, loaded, reqs, params) -> dict:
+    from kvinfer.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(config, loaded=loaded)
     t0 = time.perf_counter()
     results, ttfts, cached = [], [], 0
@@ -86,6 +91,7 @@ def start_redis(workdir: Path):
 
 def cmd_prefix_cache(args) -> int:
     from kvinfer.cli import engine_config_from_args
+    from kvinfer.engine.llm_engine import LLMEngine
 
     if args.two_servers:
         from kvinfer.bench.shared_redis import cmd_two_servers

@@ -20,7 +20,7 @@ _DROP_CHUNK_BYTES = 32 << 20
 _MADV_DONTNEED = 4
 
 
-def _drop_pages(addr: int, nbytes: int) -> None:
+def drop_pages(addr: int, nbytes: int) -> None:
     """Gives the whole pages of [addr, addr + nbytes) back to the OS (private memory: they read as zeros, or as the
     file's bytes for a private file mapping, until written again). The caller restores them before any read."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -85,7 +85,7 @@ class KeptTiles:
     def drop_source(self) -> bool:
         """Gives the weight's pages back now (a type whose copy holds every byte). Returns whether they are."""
         if not self.dropped and self.tiles is not None and self.qtype in _DROPPABLE and self.weight.is_contiguous():
-            _drop_pages(self.weight.data_ptr(), self.weight.numel())
+            drop_pages(self.weight.data_ptr(), self.weight.numel())
             self.dropped = True
         return self.dropped
 

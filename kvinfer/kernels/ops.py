@@ -10,7 +10,15 @@ import torch
 from .abi import (_EBADSHAPE, _EBADTYPE, FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, QTYPES, AttnJob, DecodeJob,
                   Sampling, _check, _declare, _short_rows)
 from .build import LEVELS
-from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, _drop_pages
+from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, drop_pages
+
+
+def _pack_threads(nbytes: int) -> int:
+    """Threads to pack a kept copy of about nbytes: one per run of _DROP_CHUNK_BYTES at most. Packing writes fresh
+    pages and is bound by faulting them in; for a smaller weight, waking the OpenMP team and waiting for its slowest
+    thread costs more than the second thread saves, and much more when another process holds a core. The bytes are
+    the same whatever the count (each thread packs whole groups of columns)."""
+    return max(1, min(torch.get_num_threads(), nbytes // _DROP_CHUNK_BYTES))
 
 
 def _nt(n: Optional[int]) -> int:
@@ -97,7 +105,7 @@ class Kernels:
             return None
         tiles = torch.empty(nbytes, dtype=torch.uint8)
         drop = drop_source and qtype in _DROPPABLE and (n <= 1 or w.is_contiguous())
-        ld, nt = w.stride(0), torch.get_num_threads()
+        ld, nt = w.stride(0), _pack_threads(n * w.stride(0))
         # Dropping: packed in runs of rows (whole groups of 32 columns), each run's source pages given back once
         # packed, so the copy never sits beside the whole source.
         step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32) if drop else n
@@ -107,8 +115,51 @@ class Kernels:
             _check(self.lib.kvq_amx_tiles_pack(w.data_ptr() + r0 * ld, r1 - r0, k, ld, qt,
                                                tiles.data_ptr() + r0 // 16 * group, nt), "AMX tile packing")
             if drop:
-                _drop_pages(w.data_ptr() + r0 * ld, (r1 - r0) * ld)
+                drop_pages(w.data_ptr() + r0 * ld, (r1 - r0) * ld)
         return KeptTiles(self, w, tiles, qtype, n, k, drop)
+
+    def drops_kept_source(self, qtype: str) -> bool:
+        """Whether keep_tiles(drop_source=True) gives the pages of a qtype weight back at this level (its copy holds
+        every byte of the GGUF rows)."""
+        qt = QTYPES.get(qtype)
+        return (self.keeps_tiles and qtype in _DROPPABLE and qt is not None
+                and self.lib.kvq_amx_tiles_bytes(32, 256, qt) > 0)
+
+    def keep_tiles_from(self, w: torch.Tensor, parts: list[torch.Tensor], k: int,
+                        qtype: str) -> Optional["KeptTiles"]:
+        """The kept copy of W (uint8 [n, row_bytes]) packed from `parts`, W's rows in blocks (stacked, they are W),
+        without W's own rows ever being written: W is taken as dropped (its pages untouched, so it holds none;
+        KeptTiles.restore_source writes them from the copy). This is how a fused projection is kept without the copy
+        of its parts into one buffer. Each part's pages are given back as it is packed: the parts must not be read
+        afterwards. None (nothing packed) where keep_tiles(drop_source=True) would not drop W, or a part does not
+        start at a whole group of 32 columns."""
+        n = w.shape[0]
+        if (not self.drops_kept_source(qtype) or w.dtype != torch.uint8 or not w.is_cpu or not w.is_contiguous()
+                or sum(p.shape[0] for p in parts) != n):
+            return None
+        at = 0
+        for p in parts:
+            if (at % 32 or p.dtype != torch.uint8 or not p.is_cpu or not p.is_contiguous()
+                    or tuple(p.shape[1:]) != tuple(w.shape[1:])):
+                return None
+            at += p.shape[0]
+        qt = QTYPES[qtype]
+        nbytes = self.lib.kvq_amx_tiles_bytes(n, k, qt)
+        if nbytes <= 0:
+            return None
+        tiles = torch.empty(nbytes, dtype=torch.uint8)
+        group, nt, r0 = self.lib.kvq_amx_tiles_bytes(16, k, qt), _pack_threads(nbytes), 0
+        for p in parts:  # each part as keep_tiles packs a dropped weight: in runs of rows, each given back once packed
+            ld = p.stride(0) if p.shape[0] > 1 else p.shape[1]
+            step = max(32, _DROP_CHUNK_BYTES // max(ld, 1) // 32 * 32)
+            for a in range(0, p.shape[0], step):
+                b = min(p.shape[0], a + step)
+                _check(self.lib.kvq_amx_tiles_pack(p.data_ptr() + a * ld, b - a, k, ld, qt,
+                                                   tiles.data_ptr() + (r0 + a) // 16 * group, nt), "AMX tile packing")
+                drop_pages(p.data_ptr() + a * ld, (b - a) * ld)
+            r0 += p.shape[0]
+        drop_pages(w.data_ptr(), w.numel())  # W's memory may have been used before: it holds no pages either
+        return KeptTiles(self, w, tiles, qtype, n, k, dropped=True)
 
     # -- matmul ---------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,

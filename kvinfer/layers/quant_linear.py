@@ -85,24 +85,35 @@ class QuantLinear(nn.Module):
         return cls(raw, qtype, shape, bias, **kwargs)
 
     @classmethod
-    def concat(cls, layers: Sequence["QuantLinear"], **kwargs) -> "QuantLinear":
+    def concat(cls, layers: Sequence["QuantLinear"], keep: bool = False, **kwargs) -> "QuantLinear":
         """One layer whose outputs are the given layers' outputs side by side (fused QKV or gate+up).
 
         GGML rows are independent, so this only stacks the raw rows; all layers need the same type and K.
+        keep: where the kernels keep a copy that holds every byte of the rows and give the rows' pages back
+        (Kernels.drops_kept_source), the copy is packed from the layers' rows instead, and the stacked rows are
+        never written (as if given back; source() writes them): no copy of the parts into one buffer, whose pages
+        would be dropped right after. The layers' pages are given back too; they must not be used afterwards.
         """
         first = layers[0]
         if any(m.qtype != first.qtype or m.in_features != first.in_features for m in layers):
             raise ValueError("concat needs layers of one quant type and input size")
-        # numpy's copy: torch.cat of uint8 opens an OpenMP region per call, which costs milliseconds each when
-        # the cores are busy (120 calls at load for the built-in model).
-        raw = torch.from_numpy(np.concatenate([m.raw.numpy() for m in layers], axis=0)) if all(
-            m.raw.is_cpu for m in layers) else torch.cat([m.raw for m in layers], dim=0)
         bias = None
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
         kwargs.setdefault("kernel_max_rows", first.kernel_max_rows)
         kwargs.setdefault("keep_dequantized", first.keep_dequantized)
-        return cls(raw, first.qtype, (raw.shape[0], first.in_features), bias, **kwargs)
+        tiles = None
+        if keep and kernels.available() and kernels.keep_tiles_enabled() and all(m.raw.is_cpu for m in layers):
+            raw = torch.empty((sum(m.raw.shape[0] for m in layers), first.raw.shape[1]), dtype=torch.uint8)
+            tiles = kernels.active().keep_tiles_from(raw, [m.raw for m in layers], first.in_features, first.qtype)
+        if tiles is None:
+            # numpy's copy: torch.cat of uint8 opens an OpenMP region per call, which costs milliseconds each when
+            # the cores are busy (120 calls at load for the built-in model).
+            raw = torch.from_numpy(np.concatenate([m.raw.numpy() for m in layers], axis=0)) if all(
+                m.raw.is_cpu for m in layers) else torch.cat([m.raw for m in layers], dim=0)
+        q = cls(raw, first.qtype, (raw.shape[0], first.in_features), bias, **kwargs)
+        q._tiles = tiles
+        return q
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
@@ -150,7 +161,7 @@ class QuantLinear(nn.Module):
         rows' pages are given back (source() restores them)."""
         if not self._kernel_checked:
             if self._qt is not None and kernels.available() and self.raw.is_cpu:
-                if kernels.keep_tiles_enabled():
+                if kernels.keep_tiles_enabled() and self._tiles is None:  # (concat(keep=True) packed it already)
                     self._tiles = kernels.active().keep_tiles(self.raw, self.out_features, self.in_features,
                                                               self.qtype, drop_source=drop_source)
                 # (the copy travels in every call, beside the weight)

@@ -18,7 +18,7 @@ import torch
 from kvinfer.config import ModelConfig
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
-from kvinfer.loaders.gguf_plan import as_q8_0, expected_shape, kernel_type, lazy_names, widening_note
+from kvinfer.loaders.gguf_plan import as_q8_0, expected_shape, fusion_order, kernel_type, lazy_names, widening_note
 from kvinfer.models.families import GGUF_FAMILIES, model_config_from_hf
 from kvinfer.models.families.llama import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, rope_scaling_from_freqs,
                                            unpermute_rows)
@@ -61,6 +61,8 @@ class GGUFCheckpoint:
     # HF name -> (undequantised bytes as uint8 [rows, row_bytes] (1-D for vectors), type name, torch shape);
     # q/k rows are already put back in HF order. Filled only with keep_raw=True.
     raw: dict[str, tuple[np.ndarray, str, tuple]] = field(default_factory=dict)
+    # [start, end) addresses of the file's mapping where raw entries view it (read_gguf's mapped_types), else empty.
+    mapped_span: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -439,16 +441,6 @@ def _hf_config_dict(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> dict[
     return d
 
 
-_FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
-
-
-def _fusion_order(hf_name: str) -> tuple:
-    m = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.(weight|bias)$", hf_name)
-    if not m:
-        return (-1, 0, hf_name)
-    return (int(m.group(1)), _FUSION_RANK.get(m.group(2), 9), m.group(3), hf_name)
-
-
 def _architecture(f: _File) -> str:
     arch = f.metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -469,12 +461,15 @@ def _config(f: _File, arch: str, infos: dict[str, _TensorInfo]) -> ModelConfig:
         raise type(e)(f"GGUF file {f.path}: {e}") from None
 
 
-def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset()) -> GGUFCheckpoint:
+def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozenset = frozenset(),
+              mapped_types: frozenset = frozenset()) -> GGUFCheckpoint:
     """Parse a GGUF file (SUPPORTED_ARCHITECTURES) into a ModelConfig and float32 tensors under Hugging Face names
     (stacked expert tensors split into one matrix per expert, as views).
 
     Matrices of a type in lazy_types (with keep_raw) are not dequantized: their tensors are shape-only
-    placeholders on the meta device, for a caller that swaps them for layers over the raw blocks."""
+    placeholders on the meta device, for a caller that swaps them for layers over the raw blocks. Those of a type in
+    mapped_types too (rows in file order) view the file's private mapping (mapped_span) instead of being read: for a
+    caller that packs them into copies of its own at once, then gives their pages back and never reads them."""
     f = _File(path, with_tensors=True)
     try:
         arch = _architecture(f)
@@ -520,6 +515,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         raw_all = keep_raw and not lazy_types
         widened = []
         relaid: dict[str, list[int]] = {}  # type -> [matrices, bytes in the file, bytes as Q8_0]
+        any_mapped = False
         for gname, hf in names.items():
             info = infos[gname]
             n_head = None
@@ -532,7 +528,10 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             types[hf] = tname
             rows = math.prod(info.shape[:-1])  # a stacked expert tensor's rows: every expert's, one after another
             if hf in lazy_set or raw_all:
-                data = f.read_tensor(info, order)
+                mapped = hf in lazy_set and tname in mapped_types and order is None and tname == kernel_type(
+                    tname, lazy_types)
+                data = f.tensor_bytes(info) if mapped else f.read_tensor(info, order)
+                any_mapped |= mapped
                 if hf in lazy_set and kernel_type(tname, lazy_types) != tname:  # the same values, as Q8_0 blocks
                     count = relaid.setdefault(tname, [0, 0, 0])
                     count[0], count[1] = count[0] + 1, count[1] + data.nbytes
@@ -561,7 +560,7 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         for tname in list(by_type):
             items = by_type.pop(tname)
             # q, k, v and gate, up side by side: the decoder fuses them, and adjacent pieces fuse as a view.
-            items.sort(key=lambda it: _fusion_order(it[0]))
+            items.sort(key=lambda it: fusion_order(it[0]))
             if isinstance(items[0][2], np.ndarray):
                 flat = items[0][2] if len(items) == 1 else np.concatenate([d for _, _, d in items])
             else:  # read each tensor straight into its place in one buffer
@@ -580,7 +579,11 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         tensors = _unstack_experts({hf: decoded[hf] for hf in names.values()})
         raw = _unstack_experts(raw)
         types = {n: types[n] if n in types else types[_EXPERT_RE.sub(r"\1.\2.weight", n)] for n in tensors}
-        return GGUFCheckpoint(config=config, tensors=tensors, metadata=f.metadata, tensor_types=types, raw=raw)
+        if any_mapped:  # the header is parsed: its pages can go (the caller gives the tensors' back as it packs)
+            f.mm.madvise(mmap.MADV_DONTNEED, 0, f.data_start // mmap.PAGESIZE * mmap.PAGESIZE)
+        at = np.frombuffer(f.mm, dtype=np.uint8).ctypes.data if any_mapped else 0
+        return GGUFCheckpoint(config=config, tensors=tensors, metadata=f.metadata, tensor_types=types, raw=raw,
+                              mapped_span=(at, at + len(f.mm)) if any_mapped else (0, 0))
     finally:
         f.close()
 

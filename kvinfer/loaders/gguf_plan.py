@@ -22,6 +22,17 @@ def _fusion_group(hf_name: str) -> str:
     return m.group(1) + _FUSED_GROUP[m.group(2)]
 
 
+_FUSION_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3, "up_proj": 4}
+
+
+def fusion_order(hf_name: str) -> tuple:
+    """A sort key putting a layer's fused parts side by side in the decoder's order (q, k, v; gate, up)."""
+    m = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.(weight|bias)$", hf_name)
+    if not m:
+        return (-1, 0, hf_name)
+    return (int(m.group(1)), _FUSION_RANK.get(m.group(2), 9), m.group(3), hf_name)
+
+
 # Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
 # (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). The loader rewrites such blocks as Q8_0 (34 bytes
 # for 22 / 18) and the Q8_0 kernels take them: the same values as the gguf package dequantizes, at 1.5-1.9x the

@@ -173,19 +173,62 @@ def check_source(ecfg: EngineConfig, src: ModelSource) -> None:
         raise ValidationError("tokenizer", ecfg.tokenizer, f"{what} (it must be a directory with tokenizer.json)")
 
 
-def _quantize_by_layer(model: Decoder, raw: dict) -> int:
+def _quantize_by_layer(model: Decoder, raw: dict, keep: bool = False) -> int:
     """quantize_from_gguf one layer at a time, dropping each layer's blocks from `raw` as soon as its layers
     hold them: fused q/k/v and gate/up are copied into one buffer, and the parts would otherwise all live until
-    the end of the load (those bytes twice at the peak)."""
+    the end of the load (those bytes twice at the peak). keep: each layer's weights are kept in the kernels' layout
+    at once, their GGUF pages given back (quantize_from_gguf's keep: the fused parts are packed, not copied; then
+    keep_now)."""
     from kvinfer.models.quantize import quantize_from_gguf
 
     swapped = 0
     for i in range(len(model.layers)):
         prefix = f"model.layers.{i}."
         part = {k: raw.pop(k) for k in [k for k in raw if k.startswith(prefix)]}
-        swapped += quantize_from_gguf(model, part)
+        swapped += quantize_from_gguf(model, part, keep=keep)
         del part
-    return swapped + quantize_from_gguf(model, raw)
+        if keep:
+            keep_now(model.layers[i])
+    swapped += quantize_from_gguf(model, raw, keep=keep)
+    if keep:
+        keep_now(model)
+    return swapped
+
+
+def keep_now(module: nn.Module) -> None:
+    """Each quantised linear's kept copy made now, its GGUF pages given back (engine/startup.py keep_tiles does the
+    same for every model; here it runs while the weights are loaded, so that those read from the file's mapping
+    are never resident all at once)."""
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    for m in module.modules():
+        if isinstance(m, QuantLinear) and m.raw.is_cpu:
+            m.prepare_kernel(drop_source=True)
+
+
+def _own_unkept(model: Decoder, span: tuple[int, int]) -> None:
+    """Where a weight still views the file's mapping (span) without a kept copy that holds its bytes (an untied
+    embedding, a weight the kernels keep no copy of), reads it into memory of its own: the kernels read it, and
+    must not see a file rewritten after the load. Then every page of the mapping is given back (the header's, the
+    pages shared by two tensors): nothing reads them any more."""
+    from kvinfer.kernels.kept import drop_pages
+    from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
+
+    def held(m) -> bool:
+        kept = m._tiles if isinstance(m, QuantLinear) else m.kept()
+        return kept is not None and kept.tiles is not None and kept.dropped
+
+    copies: dict[int, torch.Tensor] = {}  # a tied head and its embedding share one tensor: one copy for both
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and span[0] <= m.raw.data_ptr() < span[1] and not held(m):
+            if m.raw.data_ptr() not in copies:
+                copies[m.raw.data_ptr()] = m.raw.clone()
+            m.raw = copies[m.raw.data_ptr()]
+            if isinstance(m, QuantLinear):
+                if m._tiles is not None:
+                    m._tiles.release(restore=False)
+                m._tiles, m._kernel, m._kernel_checked = None, None, False
+    drop_pages(span[0], span[1] - span[0])
 
 
 @gc_paused
@@ -208,7 +251,11 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         quant = _use_gguf_kernels(ecfg.quantization, device, dtype)
         # Batch-invariant, every batch reads the blocks: the matrices the kernels take are never dequantized.
         lazy = frozenset(kernels.QTYPES) if quant and kernels.batch_invariant() else frozenset()
-        ckpt = read_gguf(src.path, keep_raw=quant, lazy_types=lazy)
+        # Where every such matrix is kept in the kernels' layout with its GGUF pages given back (the default at the
+        # avx512 level), the blocks are packed straight from the file's mapping, never read into a buffer first.
+        keep = bool(lazy) and kernels.keep_tiles_enabled() and kernels.drop_source_enabled()
+        mapped = frozenset(t for t in lazy if kernels.active().drops_kept_source(t)) if keep else frozenset()
+        ckpt = read_gguf(src.path, keep_raw=quant, lazy_types=lazy, mapped_types=mapped)
         cfg = ckpt.config
         model = build_model(cfg, max_positions, torch.float32, device)
         load_into(model, cfg, ckpt.tensors.items(), from_gguf=True)
@@ -218,13 +265,15 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         if quant:
             from kvinfer.models.quantize import quantize_from_gguf
 
-            quantized = _quantize_by_layer(model, ckpt.raw)
+            quantized = _quantize_by_layer(model, ckpt.raw, keep=bool(mapped))
             if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
                 # A matrix the kernels could not take (mixed types in one fused projection): load it in float.
                 ckpt = read_gguf(src.path, keep_raw=True)
                 model = build_model(cfg, max_positions, torch.float32, device)
                 load_into(model, cfg, ckpt.tensors.items(), from_gguf=True)
                 quantized = quantize_from_gguf(model, ckpt.raw)
+            elif mapped:
+                _own_unkept(model, ckpt.mapped_span)
             del ckpt
     elif src.kind == "safetensors":
         from kvinfer.loaders.safetensors_loader import iter_safetensors
@@ -248,7 +297,9 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         from kvinfer.loaders.chat_template import read_chat_template
 
         tokenizer.set_chat_template(*read_chat_template(ecfg.chat_template))
-    model = model.to(device=device, dtype=dtype)
+    if any(t.device != device or (t.is_floating_point() and t.dtype != dtype)
+           for t in list(model.parameters()) + list(model.buffers())):
+        model = model.to(device=device, dtype=dtype)  # (which would write back the kept weights' given-back pages)
     model.eval()
     if ecfg.quantization == "gguf" and not quant:
         raise ValidationError("quantization", "gguf", "needs a GGUF model on the CPU in float32")

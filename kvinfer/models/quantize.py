@@ -35,12 +35,14 @@ def _swap(parent: nn.Module, attr: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
-def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
+def quantize_from_gguf(model: nn.Module, raw: dict, keep: bool = False) -> int:
     """Replace every linear whose GGUF parts share a kernel-supported type; returns how many were swapped.
 
     `raw` is read_gguf(keep_raw=True).raw: HF name -> (uint8 [rows, row_bytes], type name, shape). Every batch
     reads the 4-8x smaller blocks; only with KVINFER_BATCH_INVARIANT=0, where prefills go to BLAS, the float32
     weights already loaded stay as the QuantLinear's copy for them (so nothing is dequantized twice).
+    keep: fused projections are kept by packing their parts (QuantLinear.concat(keep=True)), whose bytes in `raw`
+    are then given back and must not be read again.
     """
     keep_float = not kernels.batch_invariant()
     ok_types = kernel_types()
@@ -63,7 +65,7 @@ def quantize_from_gguf(model: nn.Module, raw: dict) -> int:
                 _swap(holder, attr, QuantParts(parts))
                 swapped += 1
                 continue
-            q = QuantLinear.concat(parts)
+            q = QuantLinear.concat(parts, keep=keep)
             if old.bias is not None:
                 q.bias = old.bias.detach().float().contiguous()
             if keep_float:

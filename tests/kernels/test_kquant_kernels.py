@@ -366,3 +366,41 @@ def test_a_dropped_weight_is_copied_and_saved_as_its_gguf_bytes_and_not_restored
     assert int(raw.count_nonzero()) < raw.numel() // 2
     del raw
     buf.close()
+
+
+@pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q4_0", "Q8_0"))
+def test_a_copy_packed_from_parts_is_the_copy_of_the_stacked_rows(qtype, level):
+    # keep_tiles_from (a fused projection kept at load without stacking its parts first) against keep_tiles over
+    # the stacked rows: the same bytes; the weight is never written (dropped) and restore_source gives the rows.
+    if level not in KEPT_LEVELS:
+        pytest.skip(f"this CPU cannot run the {level} level")
+    lib = kernels.library(level)
+    k, sizes = 512, (64, 32, 45)  # the last part may end anywhere
+    if qtype in SBTYPES:
+        rows = [make_raw(qtype, r, k, seed=60 + i) for i, r in enumerate(sizes)]
+    else:
+        bb = {"Q4_0": 18, "Q8_0": 34}[qtype]
+        rng = np.random.default_rng(61)
+        rows = []
+        for r in sizes:
+            blocks = rng.integers(0, 256, (r, k // 32, bb), dtype=np.uint8)
+            blocks[:, :, 0:2] = _f16(0.01)
+            rows.append(blocks.reshape(r, -1))
+    stacked = torch.from_numpy(np.concatenate(rows))
+    n = stacked.shape[0]
+    w = torch.empty_like(stacked)
+    parts = [torch.from_numpy(r.copy()) for r in rows]
+    kept = lib.keep_tiles_from(w, parts, k, qtype)
+    if not lib.drops_kept_source(qtype):  # no copy of this type at this level: nothing packed, nothing dropped
+        assert kept is None and lib.keep_tiles(stacked, n, k, qtype, drop_source=True) is None
+        return
+    want = lib.keep_tiles(stacked, n, k, qtype)
+    assert kept is not None and kept.dropped and torch.equal(kept.tiles, want.tiles)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(62))
+    assert torch.equal(lib.matmul(x, w, qtype, kept=kept), lib.matmul(x, stacked, qtype))
+    kept.restore_source()
+    assert torch.equal(w, stacked) and not kept.dropped
+    # A part that does not start at a whole group of 32 columns: refused, nothing packed.
+    assert lib.keep_tiles_from(w, [stacked[:40], stacked[40:]], k, qtype) is None

@@ -1,5 +1,5 @@
 """Memory: a loaded GGUF model holds the file's tensor bytes once, in memory it owns (not a view of a mapping
-of the file), and no float32 copy of a quantized weight."""
+of the file, though the kept copies may be packed straight from one), and no float32 copy of a quantized weight."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +14,7 @@ from kvinfer.config import EngineConfig
 from kvinfer.layers.quant_linear import QuantLinear
 from kvinfer.loaders.gguf_loader import read_gguf
 from kvinfer.loaders.model_loader import load_model
+from tests.gguf_helpers import write_mixed
 from tests.reference_helpers import step_logits
 
 _spec = importlib.util.spec_from_file_location("make_gguf",
@@ -37,17 +38,58 @@ def test_lazy_blocks_are_owned_copies(tmp_path):
 
 
 @needs_kernels
-def test_rewriting_the_file_after_load_changes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVINFER_AMX_KEEP", "0")  # the kernels read the GGML rows themselves, not a tile copy
-    path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
+@pytest.mark.parametrize("keep,file", [("0", "tiny"), ("1", "tiny"), ("1", "mixed")])
+def test_rewriting_the_file_after_load_changes_nothing(tmp_path, monkeypatch, keep, file):
+    # 0: the kernels read the GGML rows themselves, not a tile copy; 1 (the default): the copies, packed straight
+    # from the file's mapping where the level keeps them with the rows' pages given back. mixed: an untied
+    # embedding the kernels read as GGML rows, parts of several types, Q5_1 (kept in no copy)
+    monkeypatch.setenv("KVINFER_AMX_KEEP", keep)
+    path = (make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0") if file == "tiny"
+            else write_mixed(tmp_path / "m.gguf"))
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     prompt = list(range(3, 43))
     before = step_logits(loaded, prompt, [7, 8], "paged")
     size = path.stat().st_size
     with open(path, "r+b") as f:  # same inode: a lazily read mapping would now see zeros
-        f.seek(size // 2)
-        f.write(b"\0" * (size - size // 2))
+        f.write(b"\0" * size)
     after = step_logits(loaded, prompt, [7, 8], "paged")
     assert torch.equal(before, after)
     linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m._weight is None for m in linears)  # a 40-token prefill made no float32 copy
+
+
+def test_mapped_blocks_view_the_file_unless_their_rows_are_reordered(tmp_path):
+    path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
+    owned = read_gguf(path, keep_raw=True, lazy_types=frozenset({"Q4_0"}))
+    ck = read_gguf(path, keep_raw=True, lazy_types=frozenset({"Q4_0"}), mapped_types=frozenset({"Q4_0"}))
+    lo, hi = ck.mapped_span
+    assert hi - lo == path.stat().st_size and owned.mapped_span == (0, 0)
+    for name, (arr, qtype, shape) in ck.raw.items():
+        inside = lo <= arr.ctypes.data < hi
+        # q and k rows are put back in Hugging Face order: read, not viewed
+        assert inside == (not name.endswith(("q_proj.weight", "k_proj.weight"))), name
+        assert np.array_equal(arr, owned.raw[name][0]) and (qtype, shape) == owned.raw[name][1:], name
+
+
+@needs_kernels
+def test_kept_copies_packed_from_the_mapping_hold_the_files_rows(tmp_path):
+    from kvinfer.layers.quant_linear import QuantEmbedding
+
+    lib = kernels.active()
+    if not (kernels.keep_tiles_enabled() and kernels.drop_source_enabled() and lib.drops_kept_source("Q4_0")):
+        pytest.skip("the active kernels keep no Q4_0 copy with the rows' pages given back")
+    path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
+    loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    raw = read_gguf(path, keep_raw=True, lazy_types=frozenset({"Q4_0"})).raw
+    layer = loaded.model.layers[1]
+    want = {layer.attn.qkv: [raw[f"model.layers.1.self_attn.{p}_proj.weight"][0] for p in "qkv"],
+            layer.mlp.gate_up: [raw[f"model.layers.1.mlp.{p}_proj.weight"][0] for p in ("gate", "up")],
+            layer.mlp.down: [raw["model.layers.1.mlp.down_proj.weight"][0]]}
+    for m, parts in want.items():
+        assert isinstance(m, QuantLinear) and m._tiles is not None and m._tiles.dropped  # kept at load already
+        rows = torch.from_numpy(np.concatenate(parts))
+        assert torch.equal(m._tiles.tiles, lib.keep_tiles(rows, m.out_features, m.in_features, "Q4_0").tiles)
+        assert torch.equal(m.source(), rows)
+    emb = loaded.model.embed
+    assert isinstance(emb, QuantEmbedding) and emb.kept() is not None  # tied: the head's copy serves the lookups
+    assert torch.equal(emb.kept().weight, emb.raw) and emb.kept().dropped
