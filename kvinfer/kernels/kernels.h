@@ -37,7 +37,7 @@ int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64
                   int64_t ldo);
 int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                      int64_t ldo);
-void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu);
+void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, int hi_offset, uint8_t *xu);
 
 /* AMX tiles (amx/qmatmul_int8.c): on = 1 use them where the OS grants them, 0 not, -1 query. At the avx512 level
  * a quantised weight may be kept in tile layout (kept.c: bytes, pack) and passed as kvq_matmul's kept; both the AMX

@@ -430,10 +430,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             free(xq), free(dx), free(sx), free(sx16);
             return KVQ_ENOMEM;
         }
-        kvq_split_bytes(xq, M, K, xu);
-        if (kc_signed_hi(qt)) /* hi + 128 back to hi, as a signed byte: see kc_signed_hi */
-            for (int64_t i = 0; i < M * K * 2; i += 64)
-                for (int e = 0; e < 32; e++) xu[i + e] ^= 0x80;
+        kvq_split_bytes(xq, M, K, kc_signed_hi(qt) ? 0 : 128, xu);
         cols = KC;
     }
     const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + cols - 1) / cols;

@@ -37,7 +37,7 @@ struct kq_job {
 
 /* Q4_K and Q5_K quants are unsigned and below 32, so they can be vpdpbusd's unsigned operand against the signed hi
  * bytes: D = 256 * sum(hi q) + sum(lo q), the same int32 without S, whose dot products cost as much as hi's at one
- * row. Their activations come with hi as a signed byte (the kept route's caller flips hi + 128 back). */
+ * row. Their activations come with hi as a signed byte (kvq_split_bytes without the + 128). */
 static inline int kc_signed_hi(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K; }
 
 #if KVQ_LEVEL >= 1

@@ -165,24 +165,17 @@ static inline __attribute__((always_inline)) __m512i kc_bcast4(const uint8_t *p)
     return _mm512_set1_epi32(v);
 }
 
-/* sum over k in [k0, k0 + n) of the 4 bytes at xb + 4k times W[k], per column (vpdpbusd, two chains). */
-static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
-    __m512i c0 = _mm512_setzero_si512(), c1 = c0;
-    for (int k = 0; k < n; k += 2) {
-        c0 = _mm512_dpbusd_epi32(c0, kc_bcast4(xb + 4 * (k0 + k)), W[k0 + k]);
-        c1 = _mm512_dpbusd_epi32(c1, kc_bcast4(xb + 4 * (k0 + k + 1)), W[k0 + k + 1]);
+/* sum over k in [k0, k0 + n) of the 4 bytes at xb + 4k times W[k], per column (vpdpbusd, two chains): the bytes
+ * at xb unsigned and W's signed, or with xs (kc_dot_s) the roles swapped: W's bytes unsigned (quants 0..31), xb's
+ * signed. */
+static inline __attribute__((always_inline)) kc_vi kc_dotx(const uint8_t *xb, const kc_vi *W, int k0, int n,
+                                                           const int xs) {
+    __m512i c[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int k = 0; k < n; k++) {
+        const __m512i x = kc_bcast4(xb + 4 * (k0 + k));
+        c[k & 1] = xs ? _mm512_dpbusd_epi32(c[k & 1], W[k0 + k], x) : _mm512_dpbusd_epi32(c[k & 1], x, W[k0 + k]);
     }
-    return _mm512_add_epi32(c0, c1);
-}
-
-/* kc_dot with the operands' roles swapped: W's bytes unsigned (quants 0..31), the 4 bytes at xb + 4k signed. */
-static inline __attribute__((always_inline)) kc_vi kc_dot_s(const uint8_t *xb, const kc_vi *W, int k0, int n) {
-    __m512i c0 = _mm512_setzero_si512(), c1 = c0;
-    for (int k = 0; k < n; k += 2) {
-        c0 = _mm512_dpbusd_epi32(c0, W[k0 + k], kc_bcast4(xb + 4 * (k0 + k)));
-        c1 = _mm512_dpbusd_epi32(c1, W[k0 + k + 1], kc_bcast4(xb + 4 * (k0 + k + 1)));
-    }
-    return _mm512_add_epi32(c0, c1);
+    return _mm512_add_epi32(c[0], c[1]);
 }
 
 static inline void kc_store(float *y, kc_vf v, int g) {
@@ -213,31 +206,20 @@ typedef __m256 kc_vf;
 #define kc_bcast16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define kc_lookup8(tbl, a) _mm256_shuffle_epi8(tbl, a)
 
-/* kc_dot without VNNI: vpmaddubsw gives the int16 sums of two products (|sum| <= 2 * 255 * 32 here), two of
- * them add without overflow, and vpmaddwd with ones widens to the column's int32. */
-static inline __attribute__((always_inline)) kc_vi kc_dot(const uint8_t *xb, const kc_vi *W, int k0, int n) {
+/* kc_dotx without VNNI: vpmaddubsw gives the int16 sums of two products (|sum| <= 2 * 255 * 32 here; with xs,
+ * 2 * 31 * 128), two of them add without overflow, and vpmaddwd with ones widens to the column's int32. */
+static inline __attribute__((always_inline)) kc_vi kc_dotx(const uint8_t *xb, const kc_vi *W, int k0, int n,
+                                                           const int xs) {
     int32_t a[8];
     memcpy(a, xb + 4 * k0, 4 * (size_t)n);
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256();
     for (int k = 0; k < n; k += 2) {
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a[k]), W[k0 + k]),
-                                           _mm256_maddubs_epi16(_mm256_set1_epi32(a[k + 1]), W[k0 + k + 1]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones16));
-    }
-    return acc;
-}
-
-/* kc_dot with the operands' roles swapped: W's bytes unsigned (quants 0..31), the 4 bytes at xb + 4k signed
- * (|pair sum| <= 2 * 31 * 128, two of them still below 2^15). */
-static inline __attribute__((always_inline)) kc_vi kc_dot_s(const uint8_t *xb, const kc_vi *W, int k0, int n) {
-    int32_t a[8];
-    memcpy(a, xb + 4 * k0, 4 * (size_t)n);
-    const __m256i ones16 = _mm256_set1_epi16(1);
-    __m256i acc = _mm256_setzero_si256();
-    for (int k = 0; k < n; k += 2) {
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(W[k0 + k], _mm256_set1_epi32(a[k])),
-                                           _mm256_maddubs_epi16(W[k0 + k + 1], _mm256_set1_epi32(a[k + 1])));
+        const __m256i x0 = _mm256_set1_epi32(a[k]), x1 = _mm256_set1_epi32(a[k + 1]);
+        const __m256i p = xs ? _mm256_add_epi16(_mm256_maddubs_epi16(W[k0 + k], x0),
+                                                _mm256_maddubs_epi16(W[k0 + k + 1], x1))
+                             : _mm256_add_epi16(_mm256_maddubs_epi16(x0, W[k0 + k]),
+                                                _mm256_maddubs_epi16(x1, W[k0 + k + 1]));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones16));
     }
     return acc;
@@ -253,6 +235,9 @@ static inline void kc_store(float *y, kc_vf v, int g) {
     }
 }
 #endif
+
+#define kc_dot(xb, W, k0, n) kc_dotx(xb, W, k0, n, 0)
+#define kc_dot_s(xb, W, k0, n) kc_dotx(xb, W, k0, n, 1) /* xb signed, W unsigned (kc_signed_hi) */
 
 static const uint8_t kc_ones[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};

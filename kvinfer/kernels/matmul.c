@@ -97,7 +97,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         j.xu = xu, j.kept = kept;
     }
     if (bb) kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
-    if (xu) kvq_split_bytes(xq, M, K, xu);
+    if (xu) kvq_split_bytes(xq, M, K, 128, xu);
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
     if (nt > N) nt = (int)N;

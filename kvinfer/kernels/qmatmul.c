@@ -283,11 +283,12 @@ const tile_q_fn kvqi_tiles_q[MT_MAX + 1] = {NULL, tile_q1, tile_q2, tile_q3, til
                                          tile_q5, tile_q6, tile_q7, tile_q8};
 #endif
 
-/* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + 128, then 32 bytes lo. */
-void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, uint8_t *xu) {
+/* The int16 activations as kept_rows reads them: per row and block, 32 bytes hi + hi_offset (128: unsigned; 0: as
+ * a signed byte, kquants.h kc_signed_hi), then 32 bytes lo. */
+void kvq_split_bytes(const int16_t *xq, int64_t M, int64_t K, int hi_offset, uint8_t *xu) {
     for (int64_t i = 0; i < M * K; i += QK)
         for (int e = 0; e < QK; e++) {
-            xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + 128);
+            xu[2 * i + e] = (uint8_t)((xq[i + e] >> 8) + hi_offset);
             xu[2 * i + QK + e] = (uint8_t)(xq[i + e] & 0xff);
         }
 }
