@@ -40,9 +40,11 @@ SHAPES = {
     "tiny-qwen3moe": ("qwen3moe", 64, 2, 4, 2, 32, 32, True, 1000000.0, False),
     "tiny-256-qwen3moe": ("qwen3moe", 256, 2, 4, 2, 64, 256, True, 1000000.0, False),  # K-quant blocks
     "qwen3moe-small": ("qwen3moe", 1024, 16, 16, 4, 128, 768, True, 1000000.0, False),
+    # Qwen3-30B-A3B's experts (128 of width 768, top-8) at hidden 1024 and 16 layers: about 3 GiB at Q4_K_M
+    "qwen3moe-128e": ("qwen3moe", 1024, 16, 16, 4, 128, 768, True, 1000000.0, False),
 }
 # experts, experts used per token
-MOE = {"tiny-qwen3moe": (8, 2), "tiny-256-qwen3moe": (8, 2), "qwen3moe-small": (64, 8)}
+MOE = {"tiny-qwen3moe": (8, 2), "tiny-256-qwen3moe": (8, 2), "qwen3moe-small": (64, 8), "qwen3moe-128e": (128, 8)}
 DIRECT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 DEFAULT_QUANTIZE = "/work/llama/build/bin/llama-quantize"
 
