@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvinfer.kernels as kernels
+import kvinfer.kernels.ops as ops_module
 from kvinfer.layers.quant_linear import QuantLinear
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
@@ -404,3 +405,32 @@ def test_a_copy_packed_from_parts_is_the_copy_of_the_stacked_rows(qtype, level):
     assert torch.equal(w, stacked) and not kept.dropped
     # A part that does not start at a whole group of 32 columns: refused, nothing packed.
     assert lib.keep_tiles_from(w, [stacked[:40], stacked[40:]], k, qtype) is None
+
+
+@pytest.mark.skipif(not KEPT_LEVELS, reason="kept copies are an avx2/avx512 layout; this CPU has neither")
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q8_0"))
+def test_a_copy_packed_in_runs_of_rows_is_the_copy_packed_at_once(qtype, monkeypatch):
+    # A dropped source is packed in runs of rows (each run's pages given back before the next is read, so only one
+    # run sits beside the copy); runs of 32 rows here, so 200 rows take 7 and the parts below cross run ends.
+    level = KEPT_LEVELS[-1]
+    lib = kernels.library(level)
+    if not lib.drops_kept_source(qtype):
+        pytest.skip(f"{qtype} keeps no copy at the {level} level")
+    n, k = 200, 512
+    if qtype in SBTYPES:
+        raw_np = make_raw(qtype, n, k, seed=70)
+    else:
+        blocks = np.random.default_rng(71).integers(0, 256, (n, k // 32, 34), dtype=np.uint8)
+        blocks[:, :, 0:2] = _f16(0.01)
+        raw_np = blocks.reshape(n, -1)
+    whole = torch.from_numpy(np.ascontiguousarray(raw_np))
+    want = lib.keep_tiles(whole, n, k, qtype)
+    monkeypatch.setattr(ops_module, "_DROP_CHUNK_BYTES", 1)
+    raw = whole.clone()
+    kept = lib.keep_tiles(raw, n, k, qtype, drop_source=True)
+    assert kept is not None and kept.dropped and torch.equal(kept.tiles, want.tiles)
+    parts = [whole[:64].clone(), whole[64:160].clone(), whole[160:].clone()]
+    from_parts = lib.keep_tiles_from(torch.empty_like(whole), parts, k, qtype)
+    assert from_parts is not None and torch.equal(from_parts.tiles, want.tiles)
+    kept.restore_source()
+    assert torch.equal(raw, whole)
