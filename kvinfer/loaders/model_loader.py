@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -173,26 +174,42 @@ def check_source(ecfg: EngineConfig, src: ModelSource) -> None:
         raise ValidationError("tokenizer", ecfg.tokenizer, f"{what} (it must be a directory with tokenizer.json)")
 
 
-def _quantize_by_layer(model: Decoder, raw: dict, keep: bool = False) -> int:
+def _quantize_by_layer(model: Decoder, raw: dict, keep: bool = False, span: tuple[int, int] = (0, 0)) -> int:
     """quantize_from_gguf one layer at a time, dropping each layer's blocks from `raw` as soon as its layers
     hold them: fused q/k/v and gate/up are copied into one buffer, and the parts would otherwise all live until
     the end of the load (those bytes twice at the peak). keep: each layer's weights are kept in the kernels' layout
     at once, their GGUF pages given back (quantize_from_gguf's keep: the fused parts are packed, not copied; then
-    keep_now)."""
+    keep_now). span: the file's mapping, whose pages up to a layer's last tensor are given back once the layer is
+    kept (those a tensor shares with its neighbours, which dropping the tensor leaves, the pages read to reorder q
+    and k rows, the float tensors' pages), rather than at the end of the load (_own_unkept): nothing writes the
+    mapping, so a page read again afterwards (a tensor stored before the layers) comes back from the file."""
+    from kvinfer.kernels.kept import drop_pages
     from kvinfer.models.quantize import quantize_from_gguf
 
     swapped = 0
     for i in range(len(model.layers)):
         prefix = f"model.layers.{i}."
         part = {k: raw.pop(k) for k in [k for k in raw if k.startswith(prefix)]}
+        ends = [a + n for a, n in (_bytes_at(v[0]) for v in part.values()) if n and span[0] <= a < span[1]]
         swapped += quantize_from_gguf(model, part, keep=keep)
         del part
         if keep:
             keep_now(model.layers[i])
+            if ends:  # everything of the mapping before the layer's end (its q/k rows, read to be reordered, too)
+                drop_pages(span[0], min(span[1], -(-max(ends) // 4096) * 4096) - span[0])
     swapped += quantize_from_gguf(model, raw, keep=keep)
     if keep:
         keep_now(model)
     return swapped
+
+
+def _bytes_at(a) -> tuple[int, int]:
+    """(address, bytes) of a numpy array or tensor in `raw`; (0, 0) for anything else."""
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data, a.nbytes
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr(), a.numel() * a.element_size()
+    return 0, 0
 
 
 def keep_now(module: nn.Module) -> None:
@@ -265,7 +282,7 @@ def load_model(ecfg: EngineConfig, max_positions: Optional[int] = None,
         if quant:
             from kvinfer.models.quantize import quantize_from_gguf
 
-            quantized = _quantize_by_layer(model, ckpt.raw, keep=bool(mapped))
+            quantized = _quantize_by_layer(model, ckpt.raw, keep=bool(mapped), span=ckpt.mapped_span)
             if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
                 # A matrix the kernels could not take (mixed types in one fused projection): load it in float.
                 ckpt = read_gguf(src.path, keep_raw=True)

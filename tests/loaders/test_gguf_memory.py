@@ -93,3 +93,47 @@ def test_kept_copies_packed_from_the_mapping_hold_the_files_rows(tmp_path):
     emb = loaded.model.embed
     assert isinstance(emb, QuantEmbedding) and emb.kept() is not None  # tied: the head's copy serves the lookups
     assert torch.equal(emb.kept().weight, emb.raw) and emb.kept().dropped
+
+
+def _present_pages(addr: int, nbytes: int) -> int:
+    """How many of the pages of [addr, addr + nbytes) this process has mapped in (/proc/self/pagemap bit 63)."""
+    import struct
+
+    page = 4096
+    first, last = addr // page, (addr + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        data = f.read((last - first + 1) * 8)
+    return sum(e >> 63 for e in struct.unpack(f"{len(data) // 8}Q", data))
+
+
+@needs_kernels
+def test_a_layers_pages_of_the_mapping_are_given_back_once_the_layer_is_kept(tmp_path, monkeypatch):
+    # Dropping a tensor once packed gives back its whole pages; the pages it shares with its neighbours, and a
+    # layer's float tensors, go when the layer is done, not at the end of the load (the load's peak).
+    import gguf
+
+    import kvinfer.loaders.model_loader as ml
+
+    lib = kernels.active()
+    if not (kernels.keep_tiles_enabled() and kernels.drop_source_enabled() and lib.drops_kept_source("Q8_0")):
+        pytest.skip("the active kernels keep no Q8_0 copy with the rows' pages given back")
+    path = make_gguf.make(tmp_path / "m.gguf", "tiny-256", "Q8_0")
+    reader = gguf.GGUFReader(str(path))
+    spans = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors
+             if t.name.startswith("blk.0.")]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    del reader
+    seen = []
+    keep_now = ml.keep_now
+
+    def spy(module):
+        if module is not getattr(module, "layers", [None])[0] and hasattr(module, "layers"):  # the final call
+            base = next(int(line.split("-")[0], 16) - int(line.split()[2], 16)
+                        for line in open("/proc/self/maps") if line.rstrip().endswith(str(path)))
+            seen.append(_present_pages(base + lo, hi - lo))
+        keep_now(module)
+
+    monkeypatch.setattr(ml, "keep_now", spy)
+    load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    assert seen == [0]
