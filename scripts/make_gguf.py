@@ -12,6 +12,9 @@ llama-quantize (--llama-quantize, $LLAMA_QUANTIZE or /work/llama/build/bin/llama
 Mixture-of-experts shapes (qwen3moe) are written as llama.cpp's converter writes Qwen3-MoE: the router
 ffn_gate_inp [experts, hidden] in F32 (llama-quantize leaves it so), and each projection of every expert stacked
 in one 3-D tensor ffn_gate_exps / ffn_up_exps [experts, ffn, hidden], ffn_down_exps [experts, hidden, ffn].
+Qwen2-MoE shapes (qwen2moe) add, as that converter writes them, q/k/v biases and a shared expert in every layer:
+ffn_gate_shexp / ffn_up_shexp [shared, hidden], ffn_down_shexp [hidden, shared], and its gate ffn_gate_inp_shexp
+[1, hidden] in F32 (llama-quantize leaves it so, written 1-D).
 """
 from __future__ import annotations
 
@@ -42,9 +45,15 @@ SHAPES = {
     "qwen3moe-small": ("qwen3moe", 1024, 16, 16, 4, 128, 768, True, 1000000.0, False),
     # Qwen3-30B-A3B's experts (128 of width 768, top-8) at hidden 1024 and 16 layers: about 3 GiB at Q4_K_M
     "qwen3moe-128e": ("qwen3moe", 1024, 16, 16, 4, 128, 768, True, 1000000.0, False),
+    # Qwen2-MoE (arch qwen2moe): as Qwen3-MoE, plus the shared expert of width SHARED.
+    "tiny-qwen2moe": ("qwen2moe", 64, 2, 4, 2, 16, 32, True, 1000000.0, True),
+    "tiny-256-qwen2moe": ("qwen2moe", 256, 2, 4, 2, 64, 256, True, 1000000.0, True),  # K-quant blocks
 }
 # experts, experts used per token
-MOE = {"tiny-qwen3moe": (8, 2), "tiny-256-qwen3moe": (8, 2), "qwen3moe-small": (64, 8), "qwen3moe-128e": (128, 8)}
+MOE = {"tiny-qwen3moe": (8, 2), "tiny-256-qwen3moe": (8, 2), "qwen3moe-small": (64, 8), "qwen3moe-128e": (128, 8),
+       "tiny-qwen2moe": (8, 2), "tiny-256-qwen2moe": (8, 2)}
+# the shared expert's width (qwen2moe)
+SHARED = {"tiny-qwen2moe": 64, "tiny-256-qwen2moe": 256}
 DIRECT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 DEFAULT_QUANTIZE = "/work/llama/build/bin/llama-quantize"
 
@@ -98,6 +107,10 @@ def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             e = MOE[shape][0]
             out += [(b + "ffn_gate_inp.weight", (e, h)), (b + "ffn_gate_exps.weight", (e, ffn, h)),
                     (b + "ffn_up_exps.weight", (e, ffn, h)), (b + "ffn_down_exps.weight", (e, h, ffn))]
+            if shape in SHARED:
+                s = SHARED[shape]
+                out += [(b + "ffn_gate_inp_shexp.weight", (1, h)), (b + "ffn_gate_shexp.weight", (s, h)),
+                        (b + "ffn_up_shexp.weight", (s, h)), (b + "ffn_down_shexp.weight", (h, s))]
         else:
             out += [(b + "ffn_gate.weight", (ffn, h)), (b + "ffn_up.weight", (ffn, h)),
                     (b + "ffn_down.weight", (h, ffn))]
@@ -108,7 +121,8 @@ def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def name_is_router(name: str) -> bool:
-    return name.endswith("ffn_gate_inp.weight")
+    """The experts' router and the shared expert's gate: F32 in the converter's files whatever the type."""
+    return name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
 
 
 def _encode(a: np.ndarray, qtype: str, name: str = ""):
@@ -141,7 +155,8 @@ def write_direct(out: Path, shape: str, qtype: str, seed: int = 0, tokenizer_fro
     w.add_block_count(n)
     w.add_context_length(8192)
     w.add_embedding_length(h)
-    w.add_feed_forward_length(ffn)
+    # Qwen2-MoE's configs give the shared expert's width as intermediate_size (the converter's feed_forward_length)
+    w.add_feed_forward_length(SHARED.get(shape, ffn))
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_key_length(hd)
@@ -154,6 +169,8 @@ def write_direct(out: Path, shape: str, qtype: str, seed: int = 0, tokenizer_fro
         w.add_expert_count(MOE[shape][0])
         w.add_expert_used_count(MOE[shape][1])
         w.add_expert_feed_forward_length(ffn)
+    if shape in SHARED:
+        w.add_expert_shared_feed_forward_length(SHARED[shape])
     w.add_file_type({"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9,
                      "Q8_0": 7}[qtype])
     add_entries(w, tok)

@@ -80,8 +80,10 @@ def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: froze
     out = set()
     for gname, hf in names.items():
         types = group_types[_fusion_group(hf)]
-        # The router stays float: its few rows decide the experts, and llama.cpp leaves it unquantized too.
-        if len(infos[gname][0]) in (2, 3) and types <= lazy_types and not hf.endswith(".mlp.gate.weight"):
+        # The routers stay float (the experts' and Qwen2-MoE's shared expert's gate): their few rows decide the
+        # experts, and llama.cpp leaves them unquantized too.
+        if len(infos[gname][0]) in (2, 3) and types <= lazy_types and \
+                not hf.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight")):
             out.add(hf)
     return out
 

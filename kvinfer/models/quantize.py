@@ -22,6 +22,9 @@ def _layer_linears(layer: nn.Module):
         for e, expert in enumerate(layer.mlp.experts):
             yield expert, "gate_up", ((f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj"),)
             yield expert, "down", ((f"mlp.experts.{e}.down_proj",),)
+        if layer.mlp.shared is not None:  # Qwen2-MoE's shared expert
+            yield layer.mlp.shared, "gate_up", (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),)
+            yield layer.mlp.shared, "down", (("mlp.shared_expert.down_proj",),)
     else:
         yield layer.mlp, "gate_up", (("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",))
         yield layer.mlp, "down", (("mlp.down_proj",),)

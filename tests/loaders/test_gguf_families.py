@@ -1,5 +1,5 @@
-"""GGUF files of Gemma 3, Phi-3, Qwen3-MoE and Mixtral written by llama.cpp's own convert_hf_to_gguf.py from tiny
-random transformers models: the config read from the file, logits and greedy tokens against transformers, experts
+"""GGUF files of Gemma 3, Phi-3, Qwen3-MoE, Qwen2-MoE and Mixtral written by llama.cpp's own convert_hf_to_gguf.py from
+tiny random transformers models: the config read from the file, logits and greedy tokens against transformers, experts
 kept quantized, and one-line errors for what a file asks that kvinfer does not do."""
 from __future__ import annotations
 
@@ -36,15 +36,30 @@ VOCAB = 49152
 
 # What a GGUF file can say. Gemma 3: the file names no layer pattern (llama.cpp's default, every sixth layer global,
 # is transformers' default too) and no query_pre_attn_scalar (llama.cpp scales by head_dim). Qwen3-MoE: llama.cpp
-# always renormalises the top-k weights (as the released models' norm_topk_prob=true).
+# always renormalises the top-k weights (as the released models' norm_topk_prob=true). Qwen2-MoE: llama.cpp never does
+# (as Qwen1.5-MoE's norm_topk_prob=false); a shared expert as wide as the Q8_0 blocks, so --outtype q8_0 keeps it.
 CONFIGS = {
     "gemma3": dict({k: v for k, v in GEMMA3.items() if k != "layer_types"}, num_hidden_layers=6,
                    query_pre_attn_scalar=32),
     "phi3": FAMS["phi3"].config,
     "qwen3_moe": dict(FAMS["qwen3_moe"].config, norm_topk_prob=True),
     "mixtral": FAMS["mixtral"].config,
+    "qwen2_moe": dict(FAMS["qwen2_moe"].config, norm_topk_prob=False, shared_expert_intermediate_size=64),
 }
-GGUF_ARCH = {"gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {"gemma3": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+
+
+def _boost_shared_expert(hf) -> None:
+    """Qwen2-MoE: a shared expert whose output outweighs the routed experts' and a gate whose logits spread over the
+    sigmoid's curve, so that dropping the shared expert, or taking its gate as any constant, changes the tokens."""
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.shared_expert.down_proj.weight.mul_(3.0)
+            layer.mlp.shared_expert_gate.weight.mul_(6.0)
+
+
+# Changes to the random weights before saving, by family.
+BOOST = {"qwen2_moe": _boost_shared_expert}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,6 +128,9 @@ def ref_of(tmp_path_factory, converter, tokenizer_files):
             path = tmp_path_factory.mktemp(name) / "hf"
             hf = save_tiny(fam.config_cls, fam.model_cls, path, seed=1, **fam.init,
                            **dict(CONFIGS[name], vocab_size=VOCAB))
+            if name in BOOST:
+                BOOST[name](hf)
+                hf.save_pretrained(path)
             for f in tokenizer_files.iterdir():
                 shutil.copy(f, path / f.name)
             prompt = prompts(1, seed=11, lo=13, hi=13, vocab=VOCAB)[0]
@@ -176,7 +194,7 @@ def test_f16_files_match_transformers_at_f16_weights(name, ref_of):
     hf = copy.deepcopy(ref["hf"])
     with torch.no_grad():
         for pname, p in hf.named_parameters():
-            if p.ndim >= 2 and not pname.endswith(".gate.weight"):
+            if p.ndim >= 2 and not pname.endswith((".gate.weight", ".shared_expert_gate.weight")):
                 p.copy_(p.half().float())
     ids = ref["prompt"] + ref["tokens"][:12]
     want = hf_logits(hf, ids)
@@ -186,11 +204,11 @@ def test_f16_files_match_transformers_at_f16_weights(name, ref_of):
     assert diff <= 1e-4, f"{name}: max abs logits diff {diff:.2e}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "phi3", "qwen2_moe"])
 def test_q8_0_files_stay_quantized(name, ref_of):
-    """--outtype q8_0: every expert's (and Phi-3's fused) matrices are served from the file's Q8_0 blocks, the router
-    stays float; the logits are those of the same weights dequantized (up to the kernels' 8-bit activations) and
-    near transformers'."""
+    """--outtype q8_0: every expert's (Qwen2-MoE's shared one too, and Phi-3's fused) matrices are served from the
+    file's Q8_0 blocks, the router (and the shared expert's gate) stays float; the logits are those of the same
+    weights dequantized (up to the kernels' 8-bit activations) and near transformers'."""
     ref = ref_of(name, "q8_0")
     ck_types = read_gguf(ref["q8_0"]).tensor_types
     loaded = load_model(EngineConfig(model=str(ref["q8_0"]), dtype="float32", device="cpu"))
@@ -202,6 +220,11 @@ def test_q8_0_files_stay_quantized(name, ref_of):
         assert ck_types["model.layers.1.mlp.experts.3.down_proj.weight"] == "Q8_0"
         linears = [m for e in layer.mlp.experts for m in (e.gate_up, e.down)]
         assert not isinstance(layer.mlp.router, QuantLinear) and layer.mlp.router.weight.dtype == torch.float32
+        if name == "qwen2_moe":
+            assert ck_types["model.layers.1.mlp.shared_expert.down_proj.weight"] == "Q8_0"
+            linears += [layer.mlp.shared.gate_up, layer.mlp.shared.down]
+            assert not isinstance(layer.mlp.shared_gate, QuantLinear)
+            assert layer.mlp.shared_gate.weight.dtype == torch.float32
     assert all(isinstance(m, QuantLinear) and m.qtype == "Q8_0" for m in linears)
     n = len(ref["prompt"])
     ours = step_logits(loaded, ref["prompt"], ref["tokens"][:12], "paged", block_size=4)
@@ -213,8 +236,9 @@ def test_q8_0_files_stay_quantized(name, ref_of):
     assert (ours - ref["logits"][:n + 12]).abs().max().item() <= 0.05 * scale
 
 
-def rewrite(src: Path, dst: Path, set_keys: dict = {}, drop_tensors=()) -> Path:
-    """src with some metadata values set (as the given gguf value types) and some tensors left out."""
+def rewrite(src: Path, dst: Path, set_keys: dict = {}, drop_tensors=(), replace_tensors: dict = {}) -> Path:
+    """src with some metadata values set (as the given gguf value types), some tensors left out and some replaced
+    (name -> float32 array, torch order)."""
     r = gguf.GGUFReader(str(src))
     arch = read_metadata(src)["general.architecture"]
     w = gguf.GGUFWriter(str(dst), arch)
@@ -230,7 +254,9 @@ def rewrite(src: Path, dst: Path, set_keys: dict = {}, drop_tensors=()) -> Path:
     for key, (value, vtype) in set_keys.items():
         w.add_key_value(key, value, vtype)
     for t in r.tensors:
-        if t.name not in drop_tensors:
+        if t.name in replace_tensors:
+            w.add_tensor(t.name, replace_tensors[t.name])
+        elif t.name not in drop_tensors:
             w.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed(t.shape.tolist())),
                          raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -251,6 +277,10 @@ U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUF
     ("mixtral", dict(set_keys={"llama.expert_used_count": (9, U32)}), "num_experts_per_tok=9"),
     ("gemma3", dict(set_keys={"gemma3.rope.scaling.type": ("dynamic", STR)}), "rope_scaling type 'dynamic'"),
     ("phi3", dict(drop_tensors=["rope_factors_short.weight"]), "without its pair"),
+    ("qwen2_moe", dict(drop_tensors=["blk.1.ffn_down_shexp.weight"]), "lacks the tensor blk.1.ffn_down_shexp.weight"),
+    ("qwen2_moe", dict(replace_tensors={"blk.0.ffn_gate_inp_shexp.weight": np.ones(63, np.float32)}),
+     r"blk.0.ffn_gate_inp_shexp.weight has shape \[63\], the header's metadata implies \[64\] or \[64, 1\]"),
+    ("qwen2_moe", dict(set_keys={"qwen2moe.expert_used_count": (7, U32)}), "num_experts_per_tok=7"),
 ])
 def test_unsupported_files_are_one_line_errors(name, change, match, ref_of, tmp_path):
     bad = rewrite(ref_of(name)["f32"], tmp_path / f"bad-{name}.gguf", **change)
@@ -265,7 +295,7 @@ def test_models_lists_the_gguf_architectures(capsys):
 
     assert main(["models"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("GGUF architectures"))
-    for arch in ("llama", "gemma3", "phi3", "qwen3moe", "Mixtral"):
+    for arch in ("llama", "gemma3", "phi3", "qwen3moe", "qwen2moe", "Mixtral"):
         assert arch in line
 
 
@@ -277,3 +307,18 @@ def test_cli_names_the_file_in_one_line(ref_of, tmp_path, capsys):
     assert main(["generate", "--model", str(bad), "-n", "2", "hi"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(bad) in err[0] and "expert_gating_func" in err[0]
+
+
+def test_qwen2moe_shared_gate_written_1d_loads_alike(ref_of, tmp_path):
+    """llama-quantize writes the shared expert's gate 1-D ([hidden]; the converter writes [hidden, 1]): the same
+    weights, the same logits."""
+    src = ref_of("qwen2_moe")["f32"]
+    gates = {t.name: np.array(t.data).reshape(-1) for t in gguf.GGUFReader(str(src)).tensors
+             if t.name.endswith("ffn_gate_inp_shexp.weight")}
+    assert gates and all(g.shape == (64,) for g in gates.values())
+    flat = rewrite(src, tmp_path / "gate-1d.gguf", replace_tensors=gates)
+    assert [len(t.shape) for t in gguf.GGUFReader(str(flat)).tensors if t.name in gates] == [1] * len(gates)
+    ref = ref_of("qwen2_moe")
+    logits = [step_logits(load_model(EngineConfig(model=str(p), dtype="float32", device="cpu")), ref["prompt"],
+                          ref["tokens"][:6], "paged", block_size=4) for p in (src, flat)]
+    assert torch.equal(*logits)

@@ -75,22 +75,26 @@ def _moe_step_is_row_invariant(moe, hidden: int) -> None:
     assert torch.equal(shuffled, together[perm])
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
-def test_tiny_moe_file_loads_and_runs(tmp_path, qtype):
+@pytest.mark.parametrize("shape, qtype", [("tiny-qwen3moe", "F16"), ("tiny-qwen3moe", "Q8_0"),
+                                          ("tiny-qwen2moe", "F16"), ("tiny-qwen2moe", "Q8_0")])
+def test_tiny_moe_file_loads_and_runs(tmp_path, shape, qtype):
     from kvinfer.layers.moe import MoE
-    from kvinfer.layers.quant_linear import QuantLinear
+    from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
 
-    shape = "tiny-qwen3moe"
     path = make_gguf.make(tmp_path / "m.gguf", shape, qtype)
     arch, h, n, heads, kv, hd, ffn, tied, _, _ = make_gguf.SHAPES[shape]
     experts, top_k = make_gguf.MOE[shape]
+    shared = make_gguf.SHARED.get(shape, 0)
     meta = read_metadata(path)
-    assert meta["general.architecture"] == "qwen3moe"
-    assert (meta["qwen3moe.expert_count"], meta["qwen3moe.expert_used_count"]) == (experts, top_k)
+    assert meta["general.architecture"] == arch
+    assert (meta[f"{arch}.expert_count"], meta[f"{arch}.expert_used_count"]) == (experts, top_k)
     ck = read_gguf(path)
     c = ck.config
-    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("qwen3_moe", experts,
-                                                                                              top_k, ffn)
+    family = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}[arch]
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.shared_expert_intermediate_size) == (family, experts, top_k, ffn, shared)
+    # llama.cpp renormalises qwen3moe's top-k weights and takes qwen2moe's as they are.
+    assert c.norm_topk_prob == (arch == "qwen3moe") and c.qkv_bias == (arch == "qwen2moe")
     assert ck.tensor_types["model.layers.0.mlp.gate.weight"] == "F32"  # the router, as llama.cpp's converter
     kinds = {t for name, t in ck.tensor_types.items() if ".experts." in name}
     assert kinds == {qtype}
@@ -103,21 +107,39 @@ def test_tiny_moe_file_loads_and_runs(tmp_path, qtype):
     assert isinstance(moe.experts[0].down, QuantLinear) == (qtype == "Q8_0")
     logits = step_logits(loaded, loaded.tokenizer.encode("Hello there"), [5, 6], "paged")
     assert torch.isfinite(logits).all() and logits.std() > 0
+    if shared:  # the shared expert kept quantized as the routed ones are, its gate a float row
+        assert ck.tensor_types["model.layers.1.mlp.shared_expert_gate.weight"] == "F32"
+        assert tuple(ck.tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape) == (1, h)
+        assert (moe.shared.down.out_features, moe.shared.down.in_features) == (h, shared)
+        assert isinstance(moe.shared.down, QuantLinear) == isinstance(moe.shared.gate_up, QuantLinear) == \
+            (qtype == "Q8_0")
+        assert isinstance(moe.shared_gate, KernelLinear) and tuple(moe.shared_gate.weight.shape) == (1, h)
+    else:
+        assert moe.shared is None
     _moe_step_is_row_invariant(moe, h)
 
 
 @pytest.mark.skipif(not Path(make_gguf.DEFAULT_QUANTIZE).is_file(), reason=f"{make_gguf.DEFAULT_QUANTIZE} is not built")
-def test_moe_k_quant_mix_through_llama_quantize(tmp_path):
-    """llama-quantize takes the file (its reader is llama.cpp's) and keeps the router float; the experts stay in
-    their K-quant types in kvinfer, and the grouped step is row-invariant on them."""
-    path = make_gguf.make(tmp_path / "k.gguf", "tiny-256-qwen3moe", "Q4_K_M")
+@pytest.mark.parametrize("shape", ["tiny-256-qwen3moe", "tiny-256-qwen2moe"])
+def test_moe_k_quant_mix_through_llama_quantize(tmp_path, shape):
+    """llama-quantize takes the file (its reader is llama.cpp's) and keeps the router (and Qwen2-MoE's shared-expert
+    gate, which it rewrites 1-D) float; the experts (and the shared one) stay in their K-quant types in kvinfer, and
+    the grouped step is row-invariant on them."""
+    from kvinfer.layers.quant_linear import QuantLinear
+
+    path = make_gguf.make(tmp_path / "k.gguf", shape, "Q4_K_M")
     ck = read_gguf(path)
-    kinds = {t for name, t in ck.tensor_types.items() if ".experts." in name}
+    kinds = {t for name, t in ck.tensor_types.items() if ".experts." in name or ".shared_expert." in name}
     assert kinds <= {"Q4_K", "Q6_K"} and "Q4_K" in kinds
     assert ck.tensor_types["model.layers.0.mlp.gate.weight"] == "F32"
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     assert torch.isfinite(step_logits(loaded, [1, 2, 3], [4], "paged")).all()
-    _moe_step_is_row_invariant(loaded.model.layers[0].mlp, 256)
+    moe = loaded.model.layers[0].mlp
+    if shape in make_gguf.SHARED:
+        assert read_gguf(path).tensors["model.layers.0.mlp.shared_expert_gate.weight"].dim() == 1  # as written
+        assert isinstance(moe.shared.gate_up, QuantLinear) and isinstance(moe.shared.down, QuantLinear)
+        assert tuple(moe.shared_gate.weight.shape) == (1, 256)
+    _moe_step_is_row_invariant(moe, 256)
 
 
 def _moe_reference(moe, x: torch.Tensor) -> torch.Tensor:

@@ -237,7 +237,7 @@ def test_every_family_is_registered_once_with_its_knowledge():
     for model_type, fam in FAMILIES.items():
         assert fam.model_type == model_type and by_architecture(fam.architecture) is fam
     assert SUPPORTED_ARCHITECTURES == tuple(GGUF_FAMILIES) == ("llama", "qwen2", "qwen3", "gemma3", "phi3",
-                                                                 "qwen3moe")
+                                                                 "qwen3moe", "qwen2moe")
     assert all(fam.gguf.architecture == arch for arch, fam in GGUF_FAMILIES.items())
 
 

@@ -116,6 +116,9 @@ if sys.argv[4] == "shared":
 elif sys.argv[4].startswith("bias"):
     from tests.models.test_fused_decode import with_biases
     with_biases(llm, more=sys.argv[4] == "bias+")
+elif sys.argv[4] == "wide":  # FFN norms widened: the FFN's last bits then show in the residual stream
+    for layer in llm.engine.loaded.model.layers:
+        layer.post_attn_norm.weight.data.mul_(8.0)
 reason = unsupported_reason(llm.engine.loaded.model, llm.engine.kv_cache)
 # each layer's q/k/v: the type and whether a bias of each part (one part unless the types differ)
 qkv = [[(p.qtype, p.bias is not None) for p in getattr(layer.attn.qkv, "parts", [layer.attn.qkv])]
@@ -178,10 +181,10 @@ def test_qwen3_moe_decodes_fused_bitwise_at_every_level(tmp_path):
 
 
 def with_shared_experts(llm, inter: int = 64, seed: int = 3) -> None:
-    """Gives every layer of a tiny Qwen3-MoE GGUF model a gated shared expert, as Qwen2-MoE has (the GGUF loader
-    does not read ffn_*_shexp tensors): a SwiGLU of Q8_0 gate-up and down beside a float gate, the kinds the
-    loader makes for experts and routers. Random weights make the FFN small next to the residual stream and a
-    last-bit difference in it would be rounded away: a wider FFN norm and shared weights of the routed experts'
+    """Gives every layer of a tiny Qwen3-MoE GGUF model a gated shared expert, as Qwen2-MoE has (here beside
+    renormalised routing, which a qwen2moe file does not have): a SwiGLU of Q8_0 gate-up and down beside a float gate,
+    the kinds the loader makes for experts and routers. Random weights make the FFN small next to the residual stream
+    and a last-bit difference in it would be rounded away: a wider FFN norm and shared weights of the routed experts'
     size make it dominate, and the gate's logits stay near zero, where the sigmoid's every bit shows."""
     import numpy as np
     from gguf import GGMLQuantizationType
@@ -210,6 +213,13 @@ def test_qwen2_moe_shared_expert_decodes_fused_bitwise_at_every_level(tmp_path):
     # sigmoid as moe.py's _sigmoid computes it, the SwiGLU over all rows, then a rounded product added to the
     # routed sum; a batched decode (greedy and sampled rows) is the eager path's bit for bit, at every ISA level.
     _levels_run("tiny-qwen3moe", tmp_path, "shared")
+
+
+@needs_kernels
+def test_qwen2_moe_gguf_file_decodes_fused_bitwise_at_every_level(tmp_path):
+    # A qwen2moe file as loaded: its own shared expert (Q8_0 gate-up and down, the float gate row), q/k/v biases and
+    # top-k weights not renormalised; the C step is the eager path's bit for bit, at every ISA level.
+    _levels_run("tiny-qwen2moe", tmp_path, "wide")
 
 
 def with_biases(llm, scale: float = 25.0, more: bool = False, seed: int = 4) -> None:

@@ -89,12 +89,12 @@ def map_moe(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> di
 
 def gguf_experts(h, d: dict) -> None:
     """A GGUF file's experts (header h as GGUFNames.config gets it): experts in every layer, softmax routing, top-k
-    weights renormalised (llama.cpp hard-wires both for llama/Mixtral and qwen3moe, whatever norm_topk_prob the
-    Hugging Face config had)."""
+    weights renormalised for llama/Mixtral and qwen3moe and taken as they are for qwen2moe (llama.cpp hard-wires
+    each, whatever norm_topk_prob the Hugging Face config had)."""
     arch = h.arch
-    if arch not in ("llama", "qwen3moe"):
+    if arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise UnsupportedError(f"GGUF file {h.path}: expert tensors in a {arch} file are not supported "
-                               "(supported: llama (Mixtral), qwen3moe)")
+                               "(supported: llama (Mixtral), qwen3moe, qwen2moe)")
     gating = h.opt("expert_gating_func")
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise UnsupportedError(f"GGUF file {h.path}: {arch}.expert_gating_func={gating!r} is not supported "
@@ -103,8 +103,10 @@ def gguf_experts(h, d: dict) -> None:
     if scale not in (None, 0.0, 1.0):
         raise UnsupportedError(f"GGUF file {h.path}: {arch}.expert_weights_scale={scale!r} is not supported "
                                "(supported: 1.0)")
-    if any(n.startswith("blk.") and ("_shexp." in n or "_chexp" in n) for n in h.infos):
-        raise UnsupportedError(f"GGUF file {h.path}: shared-expert tensors (ffn_*_shexp) are not supported")
+    # qwen2moe's shared expert is read by its own config hook (_qwen2moe_shared); no other file's is.
+    if any(n.startswith("blk.") and (("_shexp." in n and arch != "qwen2moe") or "_chexp" in n) for n in h.infos):
+        raise UnsupportedError(f"GGUF file {h.path}: shared-expert tensors (ffn_*_shexp) in a {arch} file are not "
+                               "supported (supported: qwen2moe)")
     n = d["num_hidden_layers"]
     parts = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     dense = [i for i in range(n) if any(f"blk.{i}.{p}.weight" not in h.infos for p in parts)]
@@ -114,13 +116,51 @@ def gguf_experts(h, d: dict) -> None:
     experts = h.need("expert_count")
     d["num_experts"] = d["num_local_experts"] = experts
     d["num_experts_per_tok"] = h.need("expert_used_count")
-    d["norm_topk_prob"] = True
+    d["norm_topk_prob"] = arch != "qwen2moe"
     if arch == "llama":
         d["model_type"] = "mixtral"  # its experts are feed_forward_length wide
     else:
         d["moe_intermediate_size"] = h.need("expert_feed_forward_length")
 
 
+# Qwen2-MoE's shared expert in a GGUF file: a SwiGLU of its own width, and the row of weights giving its gate.
+_SHEXP_NAMES = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+
+
+def _qwen2moe_shared(h, d: dict) -> None:
+    """qwen2moe: the shared expert's width (expert_shared_feed_forward_length; llama.cpp takes feed_forward_length
+    when the key is absent) and its tensors, required in every layer as llama.cpp requires them. The gate
+    ffn_gate_inp_shexp is one row of hidden weights: the converter writes it [1, hidden], llama-quantize drops the
+    unit dimension and writes it 1-D; both are taken (_map_qwen2moe_gguf gives the 1-D one its row shape)."""
+    inter = h.opt("expert_shared_feed_forward_length", d["intermediate_size"])
+    if type(inter) is not int or inter <= 0:
+        raise UnsupportedError(f"GGUF file {h.path}: metadata qwen2moe.expert_shared_feed_forward_length={inter!r} "
+                               "is not supported (need an integer > 0)")
+    hid = d["hidden_size"]
+    want = {"ffn_gate_shexp": [(inter, hid)], "ffn_up_shexp": [(inter, hid)], "ffn_down_shexp": [(hid, inter)],
+            "ffn_gate_inp_shexp": [(hid,), (1, hid)]}  # torch order
+    for i in range(d["num_hidden_layers"]):
+        for part, shapes in want.items():
+            name = f"blk.{i}.{part}.weight"
+            if name not in h.infos:
+                raise ModelLoadError(f"GGUF file {h.path} lacks the tensor {name} (a qwen2moe file has a shared "
+                                     f"expert in every layer: {', '.join(want)})")
+            got = tuple(h.infos[name].shape)
+            if got not in shapes:
+                implied = " or ".join(str(list(reversed(s))) for s in shapes)
+                raise ModelLoadError(f"GGUF file {h.path}: tensor {name} has shape {list(reversed(got))}, the "
+                                     f"header's metadata implies {implied} (GGUF order)")
+    d["shared_expert_intermediate_size"] = inter
+
+
+def _map_qwen2moe_gguf(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return map_moe(cfg, ((n, t.reshape(1, -1) if t.dim() == 1 and n.endswith(".shared_expert_gate.weight") else t)
+                         for n, t in tensors))
+
+
 register(Family("qwen3_moe", "qwen3_moe", _from_qwen3_moe, map_moe, GGUFNames("qwen3moe")))
-register(Family("qwen2_moe", "qwen2_moe", _from_qwen2_moe, map_moe))
+register(Family("qwen2_moe", "qwen2_moe", _from_qwen2_moe, map_moe,
+                GGUFNames("qwen2moe", layer_names=_SHEXP_NAMES, config=_qwen2moe_shared,
+                          weight_map=_map_qwen2moe_gguf)))
 register(Family("mixtral", "mixtral", _from_mixtral, map_moe))  # in a GGUF file: the llama architecture, experts
