@@ -41,12 +41,18 @@
 #define QNG NG
 #endif
 
-/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_1, Q8_0), per element of a float type; 0 for any other type. */
+/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), per element of a float type; 0 for any other
+ * type. */
 static inline int block_bytes(int qt) { return kvq_type_bytes(qt, QK); }
 static inline int elem_bytes(int qt) { return kvq_type_bytes(qt, 1); }
-/* Whether a 32-weight type adds a minimum per block (w = d * q + m: Q4_1, Q5_1), and where its quants start. */
+/* Of a 32-weight type: whether it adds a minimum per block (w = d * q + m: Q4_1, Q5_1); whether its quants have a
+ * fifth bit (Q5_0, Q5_1: bit i of the little-endian dword qh for element i) and where qh is; where its nibbles (or
+ * Q8_0's bytes) start; and the offset its quants are stored with (w = d * (q - offset): Q4_0 8, Q5_0 16). */
 static inline int q_has_min(int qt) { return qt == QT_Q4_1 || qt == QT_Q5_1; }
-static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q4_1 ? 4 : 2; }
+static inline int q_has_qh(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
+static inline int q_qh_offset(int qt) { return qt == QT_Q5_1 ? 4 : 2; }
+static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q5_0 ? 6 : qt == QT_Q4_1 ? 4 : 2; }
+static inline int q_offset(int qt) { return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : 0; }
 
 static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return ((const float *)row)[k];
