@@ -24,7 +24,7 @@
  * it is what let the tiles in, and it is faster on the vector route too (docs/BENCHMARKS.md).
  * At the AVX-512 level a weight kept in tile layout (kvq_amx_tiles_pack) is read by both routes: the tiles, and
  * below them kept_rows, whose vpdpbusd multiplies the activations' two bytes by the quants as stored: again the
- * same int32 per block. Q5_0 and Q5_1 have no kept copy (types.h): both routes read their GGUF blocks.
+ * same int32 per block (Q5_0 and Q5_1 rebuild their quants' fifth bit from the copy: kept_quants).
  *
  * This file: the quantised routes' row tiles (tile_q, tile_q_lanes, kept_rows). Float weights: fmatmul.c; the
  * call that picks a route and splits the columns over threads: matmul.c; the kept copy: kept.c; AMX: amx/.
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
         for (int64_t b = 0; b < nb; b++) {
             for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD(qt)) * qb + o);
             if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
-            if (qt == QT_Q4_1 && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
+            if (q_has_min(qt) && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
             __m512i W[8];
             kept_quants(gq, b, qt, W);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, W[0]), s1 = _mm512_setzero_si512();
@@ -330,8 +330,9 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                 s0 = _mm512_dpbusd_epi32(s0, ones, W[k]), s1 = _mm512_dpbusd_epi32(s1, ones, W[k + 1]);
             const __m512i s15 = _mm512_slli_epi32(_mm512_add_epi32(s0, s1), 15);
             const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
-            const __m512 vm = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(mh + b * KEPT_COLS)))
-                                            : _mm512_setzero_ps();
+            const __m512 vm = q_has_min(qt)
+                                  ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(mh + b * KEPT_COLS)))
+                                  : _mm512_setzero_ps();
 #pragma GCC unroll 16
             for (int r = 0; r < MT; r++) {
                 const uint8_t *xr = xu + (r * nb + b) * 64; /* 32 bytes hi + 128, then 32 bytes lo */
@@ -361,6 +362,8 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                               const uint8_t *kept, float *y, int64_t ldy, int64_t n0, int64_t n1) {            \
         if (qt == QT_Q4_1) kept_rows(xu, dx, sx, nb, QT_Q4_1, kept, y, ldy, n0, n1, MT);                       \
         else if (qt == QT_Q4_0) kept_rows(xu, dx, sx, nb, QT_Q4_0, kept, y, ldy, n0, n1, MT);                  \
+        else if (qt == QT_Q5_0) kept_rows(xu, dx, sx, nb, QT_Q5_0, kept, y, ldy, n0, n1, MT);                  \
+        else if (qt == QT_Q5_1) kept_rows(xu, dx, sx, nb, QT_Q5_1, kept, y, ldy, n0, n1, MT);                  \
         else kept_rows(xu, dx, sx, nb, QT_Q8_0, kept, y, ldy, n0, n1, MT);                                     \
     }
 KVQ_KEPT(1)

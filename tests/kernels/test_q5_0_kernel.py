@@ -1,6 +1,7 @@
 """Q5_0 weights read as stored (w = d * (q - 16), q 0..31: the nibble plus a fifth bit): every level, row count and
 thread count gives the bits of the same blocks rewritten as Q8_0 (the loader's former route, gguf_plan.as_q8_0),
-and the embedding rows are the gguf package's floats."""
+and the embedding rows are the gguf package's floats. Q5_0 and Q5_1 weights kept in the avx512 level's 16-column
+layout (nibbles, a row of fifth bits, d, Q5_1's m) give the GGUF rows' bits and read back byte for byte."""
 from __future__ import annotations
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
@@ -136,3 +137,62 @@ def test_q5_0_amx_tiles_give_the_rewrites_bits():
     finally:
         lib.set_amx(was)
 
+
+@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 VNNI (the level that keeps weights in tile layout)")
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_a_kept_5_bit_weight_gives_the_gguf_rows_bits_and_reads_back_byte_for_byte(qtype):
+    # The copy is read by kept_rows (below the AMX tiles' rows, or with them off) and by the tiles; its GGUF rows are
+    # zeroed (then given back) so that every route must read the copy. Every row count and thread count gives the
+    # bits of the generic level over the GGUF rows (for Q5_0: of the Q8_0 rewrite, kept or not), the embedding rows
+    # the gguf package's floats, and the pages come back byte for byte from the copy.
+    lib, generic = kernels.library("avx512"), kernels.library("generic")
+    amx = lib.amx
+    lo = lib.amx_min_rows or 24
+    for n, k in [(37, 896), (129, 1152), (16, 256), (3, 32), (100, 608)]:
+        raw = make_raw(n, k, seed=n, qtype=qtype)
+        w = torch.from_numpy(raw.copy())
+        kept = lib.keep_tiles(w, n, k, qtype)
+        assert kept is not None and kept.nbytes == (n + 15) // 16 * ((k // 32 * 16 * QH[qtype][0] + 63) // 64 * 64)
+        q8 = q8_kept = None
+        if qtype == "Q5_0":
+            q8 = as_q8(raw)
+            q8_kept = lib.keep_tiles(q8, n, k, "Q8_0")
+        b = torch.randn(n)
+        xs = {m: torch.randn(m, k) * 10.0 ** (m % 7 - 3) for m in (1, 2, 3, 8, 16, 17, lo, 33)}
+        xs[3][1] = 0.0  # an all-zero row: every block's scale 0
+        want = {m: generic.matmul(x, torch.from_numpy(raw), qtype, bias=b) for m, x in xs.items()}
+        w.zero_()
+        try:
+            for tiles in ([True, False] if amx else [False]):
+                lib.set_amx(tiles)
+                for m, x in xs.items():
+                    for nt in (1, 2):
+                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt, kept=kept)
+                        assert torch.equal(y, want[m]), (n, k, m, tiles, nt)
+                    if q8_kept is not None:
+                        assert torch.equal(lib.matmul(x, q8, "Q8_0", bias=b, kept=q8_kept), want[m]), (n, k, m)
+        finally:
+            lib.set_amx(amx)
+        ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+        got = lib.embed_rows(w, qtype, ids, k, kept=kept)
+        assert torch.equal(got.view(torch.int32), gguf_weights(raw, n, k, qtype)[ids].view(torch.int32)), (n, k)
+        kept.dropped = True  # (the rows are zeros, as dropped pages read)
+        kept.restore_source()
+        assert torch.equal(w, torch.from_numpy(raw)), (n, k)
+
+
+@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 VNNI (the level that keeps weights in tile layout)")
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_a_kept_5_bit_layer_gives_its_pages_back_and_restores_them(qtype):
+    n, k = 320, 1152
+    raw = make_raw(n, k, seed=11, qtype=qtype)
+    lib = kernels.library("avx512")
+    assert lib.drops_kept_source(qtype)
+    w = torch.from_numpy(raw.copy())
+    x = torch.randn(5, k)
+    want = lib.matmul(x, w, qtype)
+    kept = lib.keep_tiles(w, n, k, qtype, drop_source=True)
+    assert kept.dropped
+    assert torch.equal(lib.matmul(x, w, qtype, kept=kept), want)
+    kept.release()  # restores the rows first
+    assert torch.equal(w, torch.from_numpy(raw))

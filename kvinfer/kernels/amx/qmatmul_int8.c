@@ -244,7 +244,7 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
 
 static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1,
                     const uint8_t *kept) {
-    if (q_has_min(j->qt)) /* Q4_1, or Q5_1 (never kept) */
+    if (q_has_min(j->qt)) /* Q4_1, Q5_1 */
         return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 1) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 1);
     return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 0) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 0);
 }
