@@ -132,8 +132,8 @@ int kvq_matmul_packed(const int64_t *a) {
 
 /* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
  * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16), Q4_1 and
- * Q5_1 d * q + m (a multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside
- * [0, N). */
+ * Q5_1 d * q + m (a multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if
+ * an id is outside [0, N). */
 static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
                            int64_t K, float *out);
 
