@@ -1,10 +1,33 @@
-/* A weight's kept copy at the avx512 level built with the AMX flags: the 16-column layout of Q4_0 / Q4_1 / Q8_0
- * weights (layout in matmul.h, above kept_qbytes), its packing and its readback as GGUF bytes. The K-quants' copies
- * are kquants_kept.c's; the routes that read a copy are qmatmul.c's kept_rows and amx/. A copy is not looked up: the
- * caller keeps it beside its weight and passes both in every call (kvq_matmul's kept), as it passes the bias. */
+/* A weight's kept copy at the avx512 level built with the AMX flags: the 16-column layout of Q4_0 / Q4_1 / Q5_0 /
+ * Q5_1 / Q8_0 weights (layout in matmul.h, above kept_qbytes), its packing and its readback as GGUF bytes. The
+ * K-quants' copies are kquants_kept.c's; the routes that read a copy are qmatmul.c's kept_rows and amx/. A copy is
+ * not looked up: the caller keeps it beside its weight and passes both in every call (kvq_matmul's kept), as it
+ * passes the bias. */
 #include "matmul.h"
 
 #ifdef KVQ_HAVE_AMX
+/* The fifth-bit row of a 5-bit block of 16 columns (qh at rows[c] + off): bit k of byte 4 c + i is bit 4 k + i of
+ * column c's qh, the element kept_quants' row k holds in that byte. Once per weight, so plain loops. */
+static void kept_fifth_bits(const uint8_t *const *rows, int64_t off, uint8_t *dst) {
+    for (int c = 0; c < KEPT_COLS; c++) {
+        uint32_t h;
+        memcpy(&h, rows[c] + off, 4);
+        for (int i = 0; i < 4; i++) {
+            unsigned v = 0;
+            for (int k = 0; k < 8; k++) v |= ((h >> (4 * k + i)) & 1u) << k;
+            dst[4 * c + i] = (uint8_t)v;
+        }
+    }
+}
+
+/* Column u's qh back from a fifth-bit row. */
+static uint32_t kept_qh(const uint8_t *src, int64_t u) {
+    uint32_t h = 0;
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 8; k++) h |= (uint32_t)((src[4 * u + i] >> k) & 1u) << (4 * k + i);
+    return h;
+}
+
 int64_t kvq_amx_tiles_bytes(int64_t N, int64_t K, int qt) {
     if (!kvq_type_kept(qt)) return 0;
     if (kq_is_kquant(qt)) return kvq_kq_kept_bytes(N, K, qt);
@@ -53,13 +76,14 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
                         memcpy(g + b * 512, bt + (b * 2 + t) * 512, 512);
                     } else {
                         __m512i y[4];
-                        dw_transpose16x4(rows, b * bb + (qt == QT_Q4_1 ? 4 : 2), y);
-                        for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * 256 + 64 * k, y[k]);
+                        dw_transpose16x4(rows, b * bb + q_qs_offset(qt), y);
+                        for (int k = 0; k < 4; k++) _mm512_store_si512(g + b * qb + 64 * k, y[k]);
+                        if (q_has_qh(qt)) kept_fifth_bits(rows, b * bb + q_qh_offset(qt), g + b * qb + 4 * 64);
                     }
                     for (int c = 0; c < KEPT_COLS; c++) {
                         const int live = c0 + KEPT_COLS * t + c < N;
                         dh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb) : 0;
-                        if (qt == QT_Q4_1) mh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb + 2) : 0;
+                        if (q_has_min(qt)) mh[b * KEPT_COLS + c] = live ? kvq_rd16(rows[c] + b * bb + 2) : 0;
                     }
                 }
             }
@@ -72,10 +96,10 @@ int kvq_amx_tiles_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int 
 int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64_t *ids, int64_t n, uint8_t *out,
                   int64_t ldo) {
     if (kq_is_kquant(qt)) return kvq_kq_kept_rows(kept, N, K, qt, ids, n, out, ldo);
-    if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return KVQ_EBADTYPE;
+    if (!block_bytes(qt) || !kvq_type_kept(qt)) return KVQ_EBADTYPE;
     if (K <= 0 || K % QK || N <= 0) return KVQ_EBADSHAPE;
-    const int64_t nb = K / QK, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt), qo = qt == QT_Q4_1 ? 4 : 2;
-    const int qb = kept_qbytes(qt), nrows = qb / 64; /* 8 rows of quants (Q8_0) or 4 of nibble pairs */
+    const int64_t nb = K / QK, gb = kept_group_bytes(nb, qt), bb = block_bytes(qt), qo = q_qs_offset(qt);
+    const int qb = kept_qbytes(qt), nrows = qt == QT_Q8_0 ? 8 : 4; /* rows of quants, or of nibble pairs */
     for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return KVQ_EBADSHAPE;
         const uint8_t *gq = kept + ids[i] / KEPT_COLS * gb;
@@ -84,8 +108,12 @@ int kvq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const int64
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = out + i * ldo + b * bb;
             for (int k = 0; k < nrows; k++) memcpy(o + qo + 4 * k, gq + b * qb + 64 * k + 4 * u, 4);
+            if (q_has_qh(qt)) {
+                const uint32_t h = kept_qh(gq + b * qb + 4 * 64, u);
+                memcpy(o + q_qh_offset(qt), &h, 4);
+            }
             memcpy(o, dh + b * KEPT_COLS + u, 2);
-            if (qt == QT_Q4_1) memcpy(o + 2, mh + b * KEPT_COLS + u, 2);
+            if (q_has_min(qt)) memcpy(o + 2, mh + b * KEPT_COLS + u, 2);
         }
     }
     return KVQ_OK;

@@ -131,9 +131,9 @@ int kvq_matmul_packed(const int64_t *a) {
 }
 
 /* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
- * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 and Q5_1 d * q + m (a
- * multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if an id is outside
- * [0, N). */
+ * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16), Q4_1 and
+ * Q5_1 d * q + m (a multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if
+ * an id is outside [0, N). */
 static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
                            int64_t K, float *out);
 
@@ -187,7 +187,14 @@ static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t 
                     yb[i] = (float)((blk[2 + i] & 15) - 8) * d;
                     yb[i + 16] = (float)((blk[2 + i] >> 4) - 8) * d;
                 }
-            else if (qt == QT_Q5_1) {
+            else if (qt == QT_Q5_0) {
+                uint32_t h;
+                memcpy(&h, blk + 2, 4);
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)((int)((blk[6 + i] & 15) | (((h >> i) & 1u) << 4)) - 16) * d;
+                    yb[i + 16] = (float)((int)((blk[6 + i] >> 4) | (((h >> (i + 16)) & 1u) << 4)) - 16) * d;
+                }
+            } else if (qt == QT_Q5_1) {
                 const float m = kvq_half(kvq_rd16(blk + 2));
                 uint32_t h;
                 memcpy(&h, blk + 4, 4);

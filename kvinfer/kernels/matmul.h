@@ -41,12 +41,18 @@
 #define QNG NG
 #endif
 
-/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_1, Q8_0), per element of a float type; 0 for any other type. */
+/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), per element of a float type; 0 for any other
+ * type. */
 static inline int block_bytes(int qt) { return kvq_type_bytes(qt, QK); }
 static inline int elem_bytes(int qt) { return kvq_type_bytes(qt, 1); }
-/* Whether a 32-weight type adds a minimum per block (w = d * q + m: Q4_1, Q5_1), and where its quants start. */
+/* Of a 32-weight type: whether it adds a minimum per block (w = d * q + m: Q4_1, Q5_1); whether its quants have a
+ * fifth bit (Q5_0, Q5_1: bit i of the little-endian dword qh for element i) and where qh is; where its nibbles (or
+ * Q8_0's bytes) start; and the offset its quants are stored with (w = d * (q - offset): Q4_0 8, Q5_0 16). */
 static inline int q_has_min(int qt) { return qt == QT_Q4_1 || qt == QT_Q5_1; }
-static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q4_1 ? 4 : 2; }
+static inline int q_has_qh(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
+static inline int q_qh_offset(int qt) { return qt == QT_Q5_1 ? 4 : 2; }
+static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q5_0 ? 6 : qt == QT_Q4_1 ? 4 : 2; }
+static inline int q_offset(int qt) { return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : 0; }
 
 static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return ((const float *)row)[k];
@@ -119,31 +125,48 @@ KVQ_HIDDEN void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb,
  * route loads its tiles straight from it, and below AMX_MIN_ROWS (or with the tiles off) the vector route's
  * kept_rows reads it instead of transposing the GGML blocks. Per 16 output columns (a group, kept_group_bytes
  * apart): a plane of quants, block after block (kept_quants: Q8_0 as 8 rows of 64 bytes, row k holding quants
- * 32 b + 4 k + i of each column; 4-bit types as the GGML nibbles, 4 rows), then the blocks' d of the 16 columns
- * as fp16 bits, then (Q4_1) their m. That is the GGML bytes' size (Q8_0: 544 per block of 16 columns, Q4_1:
- * 320), so a one-row decode reads no more than from the GGML rows. Same quants into the same exact integer
- * products: same results (the gain: docs/BENCHMARKS.md, "Figures behind code decisions"). */
+ * 32 b + 4 k + i of each column; 4-bit types as the GGML nibbles, 4 rows; Q5_0 / Q5_1 those 4 rows and a fifth of
+ * their fifth bits, bit k of byte 4 c + i holding column c's bit 4 k + i of qh, so that bit k of every byte is row k
+ * of Q8_0's layout), then the blocks' d of the 16 columns as fp16 bits, then (Q4_1, Q5_1) their m. That is the GGML
+ * bytes' size (Q8_0: 544 per block of 16 columns, Q4_1: 320, Q5_0: 352), so a one-row decode reads no more than
+ * from the GGML rows. Same quants into the same exact integer products: same results (the gain: docs/BENCHMARKS.md,
+ * "Figures behind code decisions"). */
 #define KEPT_COLS 16
-static inline int kept_qbytes(int qt) { return qt == QT_Q8_0 ? 8 * 64 : 4 * 64; } /* quants of a block of 16 columns */
+static inline int kept_qbytes(int qt) { /* quants of a block of 16 columns */
+    return qt == QT_Q8_0 ? 8 * 64 : q_has_qh(qt) ? 5 * 64 : 4 * 64;
+}
 static inline int64_t kept_group_bytes(int64_t nb, int qt) {
-    const int64_t b = nb * (kept_qbytes(qt) + KEPT_COLS * 2 * (qt == QT_Q4_1 ? 2 : 1));
+    const int64_t b = nb * (kept_qbytes(qt) + KEPT_COLS * 2 * (q_has_min(qt) ? 2 : 1));
     return (b + 63) / 64 * 64;
 }
 
-/* Block b's quants of a kept group as 8 rows of 64 signed bytes (row k: quants 4k..4k+3 of each column). A 4-bit
- * group keeps the GGML nibbles, row k (k < 4) holding the 4 bytes 4k..4k+3 of each column's block: low nibbles are
- * quants 4k.., high nibbles quants 16 + 4k... */
+/* Block b's quants of a kept group as 8 rows of 64 signed bytes (row k: quants 4k..4k+3 of each column, minus
+ * q_offset). A 4-bit group keeps the GGML nibbles, row k (k < 4) holding the 4 bytes 4k..4k+3 of each column's
+ * block: low nibbles are quants 4k.., high nibbles quants 16 + 4k...; a 5-bit group's fifth-bit row adds 16 where
+ * its bit k is set (a mask per row: one test and one masked add). */
 static inline __attribute__((always_inline)) void kept_quants(const uint8_t *gq, int64_t b, int qt, __m512i W[8]) {
     if (qt == QT_Q8_0) {
         for (int k = 0; k < 8; k++) W[k] = _mm512_load_si512(gq + b * 512 + 64 * k);
         return;
     }
-    const __m512i lo = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    const int qb = kept_qbytes(qt);
+    const __m512i lo = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), f0 = _mm512_set1_epi8((char)0xf0);
     for (int k = 0; k < 4; k++) {
-        const __m512i v = _mm512_load_si512(gq + b * 256 + 64 * k);
+        const __m512i v = _mm512_load_si512(gq + b * qb + 64 * k);
+        if (qt == QT_Q5_0) { /* the nibble with bits 4..7 set is nibble - 16; the fifth bit adds the 16 back */
+            W[k] = _mm512_or_si512(v, f0);
+            W[k + 4] = _mm512_or_si512(_mm512_srli_epi16(v, 4), f0);
+            continue;
+        }
         W[k] = _mm512_and_si512(v, lo);
         W[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
         if (qt == QT_Q4_0) W[k] = _mm512_sub_epi8(W[k], eight), W[k + 4] = _mm512_sub_epi8(W[k + 4], eight);
+    }
+    if (q_has_qh(qt)) {
+        const __m512i h = _mm512_load_si512(gq + b * qb + 4 * 64), sixteen = _mm512_set1_epi8(16);
+        for (int k = 0; k < 8; k++)
+            W[k] = _mm512_mask_add_epi8(W[k], _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << k))), W[k],
+                                        sixteen);
     }
 }
 

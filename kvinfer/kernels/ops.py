@@ -97,8 +97,9 @@ class Kernels:
         rows), so that the matmuls given the copy (kept=) read it: AMX tiles without per-call unpacking, and the
         vector route without its per-block transpose (docs/KQUANTS.md, docs/BENCHMARKS.md). None below the avx512
         level or where W is not quantised; the copy lives as long as the result (or until its release()).
-        drop_source (Q4_0, Q4_1, Q8_0, K-quants, IQ4_XS): W's pages are given back as they are packed, so the process holds the
-        weight once; W must then be read only by the kernels or after KeptTiles.restore_source()."""
+        drop_source (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, K-quants, IQ4_XS): W's pages are given back as they are packed, so
+        the process holds the weight once; W must then be read only by the kernels or after
+        KeptTiles.restore_source()."""
         if (not self.keeps_tiles or qtype not in QTYPES or w.dtype != torch.uint8 or not w.is_cpu
                 or w.stride(1) != 1):
             return None
@@ -168,7 +169,7 @@ class Kernels:
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str = "F32", bias: Optional[torch.Tensor] = None,
                out: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
                kept: Optional[KeptTiles] = None) -> torch.Tensor:
-        """y[M, N] = x[M, K] @ W^T (+ bias). W: raw GGML rows (uint8 [N, row_bytes], qtype Q4_0/Q4_1/Q8_0) or a
+        """y[M, N] = x[M, K] @ W^T (+ bias). W: raw GGML rows (uint8 [N, row_bytes], a qtype of QTYPES) or a
         float32/float16/bfloat16 [N, K] tensor (qtype ignored). x float32 [M, K] with contiguous rows. kept: W's
         copy from keep_tiles (read instead of W's rows, same bits; required once W's pages were dropped)."""
         _cpu_f32("x", x, 2)
@@ -304,7 +305,7 @@ class Kernels:
     # -- embedding lookup -----------------------------------------------------------------------------------
     def embed_rows(self, w: torch.Tensor, qtype: str, ids: torch.Tensor, dim: int,
                    kept: Optional[KeptTiles] = None) -> torch.Tensor:
-        """Rows `ids` (any shape) of raw GGML rows w (uint8 [N, row_bytes], Q4_0/Q4_1/Q8_0) or a float32 /
+        """Rows `ids` (any shape) of raw GGML rows w (uint8 [N, row_bytes], a type of QTYPES) or a float32 /
         float16 / bfloat16 [N, dim] tensor, as float32 [*ids.shape, dim]: the floats kvinfer.loaders.dequant
         gives. An id outside [0, N) is a ValueError. kept: w's copy from keep_tiles (its rows read back from it)."""
         if w.dim() != 2 or w.device.type != "cpu" or (w.shape[1] > 1 and w.stride(1) != 1):

@@ -1,5 +1,5 @@
 /* Matmul y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for float32 activations and weights kept as GGML Q4_0 / Q4_1 /
- * Q5_1 / Q8_0 blocks, or as float32 / fp16 / bf16 rows.
+ * Q5_0 / Q5_1 / Q8_0 blocks, or as float32 / fp16 / bf16 rows.
  *
  * One arithmetic per output element, whatever M, the tile a row lands in, the thread count or the ISA level:
  * a row's result is a fixed sequence of IEEE operations on that row and the weights alone. That is what makes
@@ -7,9 +7,11 @@
  *
  * Quantised weights (block layouts, 32 weights each, little-endian fp16 fields):
  *   Q4_0: d qs[16]    w = d * (q - 8)      Q4_1: d m qs[16]   w = d * q + m      Q8_0: d qs[32]   w = d * q
- *   Q5_1: d m qh[4] qs[16]   w = d * q + m, q = the 4-bit quant plus 16 where bit i of qh is set (element i)
- * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble). Q5_1 is Q4_1 with a wider q,
- * so it takes Q4_1's arithmetic below: a result depends on d, m and q alone, and D_b stays exact. Each x row is
+ *   Q5_0: d qh[4] qs[16]     w = d * (q - 16)       Q5_1: d m qh[4] qs[16]   w = d * q + m
+ * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble; Q5_0 / Q5_1: q is the 4-bit
+ * quant plus 16 where bit i of qh is set for element i). Q5_1 is Q4_1 with a wider q, so it takes Q4_1's arithmetic
+ * below: a result depends on d, m and q alone, and D_b stays exact. Q5_0 takes Q8_0's (and Q4_0's, the same): its
+ * integers q - 16 are the ones the loader once rewrote as Q8_0 quants, so it gives that rewrite's bits. Each x row is
  * rounded per 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's
  * largest |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
@@ -22,7 +24,7 @@
  * it is what let the tiles in, and it is faster on the vector route too (docs/BENCHMARKS.md).
  * At the AVX-512 level a weight kept in tile layout (kvq_amx_tiles_pack) is read by both routes: the tiles, and
  * below them kept_rows, whose vpdpbusd multiplies the activations' two bytes by the quants as stored: again the
- * same int32 per block. Q5_1 has no kept copy (types.h): both routes read its GGUF blocks.
+ * same int32 per block (Q5_0 and Q5_1 rebuild their quants' fifth bit from the copy: kept_quants).
  *
  * This file: the quantised routes' row tiles (tile_q, tile_q_lanes, kept_rows). Float weights: fmatmul.c; the
  * call that picks a route and splits the columns over threads: matmul.c; the kept copy: kept.c; AMX: amx/.
@@ -54,8 +56,8 @@ void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_
 
 static inline q32 load_q(const uint8_t *blk, int qt) {
     if (qt == QT_Q8_0) return q32_from_q8(blk + 2);
-    if (qt == QT_Q5_1) return q32_from_q5(blk + 4, blk + 8);
-    return q32_from_q4(blk + (qt == QT_Q4_1 ? 4 : 2), qt == QT_Q4_0 ? 8 : 0);
+    if (q_has_qh(qt)) return q32_from_q5(blk + q_qh_offset(qt), blk + q_qs_offset(qt), q_offset(qt));
+    return q32_from_q4(blk + q_qs_offset(qt), q_offset(qt));
 }
 
 /* d (lanes) and Q4_1 / Q5_1's m of the block at offset off of each of 8 weight rows (a tail group repeats its
@@ -77,12 +79,12 @@ static inline void load_dm_rows(const uint8_t *const *rows, int64_t off, vf *d, 
  * 13-instruction reduction per 8 columns). D_b is the same exact int32, and each lane then runs the float
  * operations of tile_q below: the same bits. */
 
-/* Q5_1: R[j] lane c gains 16 in the word of element 2j (low) and 2j + 1 (high) where that element's fifth bit is
- * set (bits 2j, 2j + 1 of column c's qh, the dword at block offset 4). */
+/* Q5_0 / Q5_1: R[j] lane c gains 16 in the word of element 2j (low) and 2j + 1 (high) where that element's fifth
+ * bit is set (bits 2j, 2j + 1 of column c's qh, the dword at rows[c] + off). */
 static inline __attribute__((always_inline)) void or_fifth_bits16(const uint8_t *const *rows, int64_t off,
                                                                   __m512i R[16]) {
     int32_t h[16];
-    for (int u = 0; u < 16; u++) memcpy(&h[u], rows[u] + off + 4, 4);
+    for (int u = 0; u < 16; u++) memcpy(&h[u], rows[u] + off, 4);
     const __m512i qh = _mm512_loadu_si512(h), three = _mm512_set1_epi32(3), sel = _mm512_set1_epi32(0x00100010);
     for (int j = 0; j < 16; j++) { /* t: bits 2j, 2j + 1 at 0, 1; moved to bit 4 of the low and the high word */
         const __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, 2 * j), three);
@@ -91,7 +93,7 @@ static inline __attribute__((always_inline)) void or_fifth_bits16(const uint8_t 
     }
 }
 
-/* R[j] (j = 0..15), lane c: elements 2j, 2j + 1 of column c's block as int16 (Q4: minus the offset). */
+/* R[j] (j = 0..15), lane c: elements 2j, 2j + 1 of column c's block as int16 (q - q_offset). */
 static inline __attribute__((always_inline)) void load_q16(const uint8_t *const *rows, int64_t off, int qt,
                                                            __m512i R[16]) {
     __m512i y[4];
@@ -117,7 +119,7 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
                                                             -128, 13, -128));
     const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11, -128,
                                                             14, -128, 15, -128));
-    const __m512i lo = _mm512_set1_epi16(15), o = _mm512_set1_epi16(qt == QT_Q4_0 ? 8 : 0);
+    const __m512i lo = _mm512_set1_epi16(15), o = _mm512_set1_epi16((short)q_offset(qt));
     dw_transpose16x4(rows, off + q_qs_offset(qt), y);
     for (int t = 0; t < 4; t++) {
         const __m512i a = _mm512_shuffle_epi8(y[t], sa), b = _mm512_shuffle_epi8(y[t], sb);
@@ -125,13 +127,10 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
         R[2 * t + 1] = _mm512_and_si512(b, lo);
         R[8 + 2 * t] = _mm512_srli_epi16(a, 4);
         R[9 + 2 * t] = _mm512_srli_epi16(b, 4);
-        if (qt == QT_Q4_0)
-            for (int i = 0; i < 2; i++) {
-                R[2 * t + i] = _mm512_sub_epi16(R[2 * t + i], o);
-                R[8 + 2 * t + i] = _mm512_sub_epi16(R[8 + 2 * t + i], o);
-            }
     }
-    if (qt == QT_Q5_1) or_fifth_bits16(rows, off, R);
+    if (q_has_qh(qt)) or_fifth_bits16(rows, off + q_qh_offset(qt), R);
+    if (q_offset(qt))
+        for (int j = 0; j < 16; j++) R[j] = _mm512_sub_epi16(R[j], o);
 }
 
 #define NG16 16
@@ -255,6 +254,7 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
                            int64_t ldw, int qt, float *y, int64_t ldy, int64_t n0, int64_t n1, int pf) {       \
         if (qt == QT_Q4_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_1, y, ldy, n0, n1, pf, MT);                    \
         else if (qt == QT_Q5_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q5_1, y, ldy, n0, n1, pf, MT);               \
+        else if (qt == QT_Q5_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q5_0, y, ldy, n0, n1, pf, MT);               \
         else if (qt == QT_Q4_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_0, y, ldy, n0, n1, pf, MT);               \
         else tile_q(xq, dx, sx, nb, w, ldw, QT_Q8_0, y, ldy, n0, n1, pf, MT);                                  \
     }
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
         for (int64_t b = 0; b < nb; b++) {
             for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD(qt)) * qb + o);
             if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
-            if (qt == QT_Q4_1 && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
+            if (q_has_min(qt) && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
             __m512i W[8];
             kept_quants(gq, b, qt, W);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, W[0]), s1 = _mm512_setzero_si512();
@@ -330,8 +330,9 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                 s0 = _mm512_dpbusd_epi32(s0, ones, W[k]), s1 = _mm512_dpbusd_epi32(s1, ones, W[k + 1]);
             const __m512i s15 = _mm512_slli_epi32(_mm512_add_epi32(s0, s1), 15);
             const __m512 vd = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(dh + b * KEPT_COLS)));
-            const __m512 vm = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(mh + b * KEPT_COLS)))
-                                            : _mm512_setzero_ps();
+            const __m512 vm = q_has_min(qt)
+                                  ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(mh + b * KEPT_COLS)))
+                                  : _mm512_setzero_ps();
 #pragma GCC unroll 16
             for (int r = 0; r < MT; r++) {
                 const uint8_t *xr = xu + (r * nb + b) * 64; /* 32 bytes hi + 128, then 32 bytes lo */
@@ -361,6 +362,8 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                               const uint8_t *kept, float *y, int64_t ldy, int64_t n0, int64_t n1) {            \
         if (qt == QT_Q4_1) kept_rows(xu, dx, sx, nb, QT_Q4_1, kept, y, ldy, n0, n1, MT);                       \
         else if (qt == QT_Q4_0) kept_rows(xu, dx, sx, nb, QT_Q4_0, kept, y, ldy, n0, n1, MT);                  \
+        else if (qt == QT_Q5_0) kept_rows(xu, dx, sx, nb, QT_Q5_0, kept, y, ldy, n0, n1, MT);                  \
+        else if (qt == QT_Q5_1) kept_rows(xu, dx, sx, nb, QT_Q5_1, kept, y, ldy, n0, n1, MT);                  \
         else kept_rows(xu, dx, sx, nb, QT_Q8_0, kept, y, ldy, n0, n1, MT);                                     \
     }
 KVQ_KEPT(1)

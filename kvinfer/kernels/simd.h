@@ -262,7 +262,8 @@ static inline q32 q32_from_q8(const uint8_t *qs) {
     return q;
 }
 
-/* 16 bytes, byte i 16 where bit i of h (16 bits) is set, else 0: the fifth bits of 16 of a Q5_1 block's quants. */
+/* 16 bytes, byte i 16 where bit i of h (16 bits) is set, else 0: the fifth bits of 16 of a Q5_0 / Q5_1 block's
+ * quants. */
 static inline __m128i q5_high16(uint32_t h) {
     const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
     const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)h), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
@@ -270,14 +271,15 @@ static inline __m128i q5_high16(uint32_t h) {
     return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(16));
 }
 
-/* Q5_1's quants (0..31): the nibbles of qs as q32_from_q4 reads them, plus 16 where bit i of qh (4 bytes,
- * little-endian) is set for element i. */
-static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs) {
+/* Q5_0 / Q5_1's quants (0..31): the nibbles of qs as q32_from_q4 reads them, plus 16 where bit i of qh (4 bytes,
+ * little-endian) is set for element i; then `off` subtracted (Q5_0: 16). */
+static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs, int off) {
     uint32_t h;
     memcpy(&h, qh, 4);
     q32 q = q32_from_q4(qs, 0);
-    q.lo = _mm256_or_si256(q.lo, _mm256_cvtepu8_epi16(q5_high16(h & 0xffffu)));
-    q.hi = _mm256_or_si256(q.hi, _mm256_cvtepu8_epi16(q5_high16(h >> 16)));
+    const __m256i o = _mm256_set1_epi16((short)off);
+    q.lo = _mm256_sub_epi16(_mm256_or_si256(q.lo, _mm256_cvtepu8_epi16(q5_high16(h & 0xffffu))), o);
+    q.hi = _mm256_sub_epi16(_mm256_or_si256(q.hi, _mm256_cvtepu8_epi16(q5_high16(h >> 16))), o);
     return q;
 }
 
@@ -431,11 +433,11 @@ static inline q32 q32_from_q8(const uint8_t *qs) {
     return q;
 }
 
-static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs) {
+static inline q32 q32_from_q5(const uint8_t *qh, const uint8_t *qs, int off) {
     uint32_t h;
     memcpy(&h, qh, 4);
     q32 q = q32_from_q4(qs, 0);
-    for (int i = 0; i < 32; i++) q.q[i] = (int16_t)(q.q[i] | (int16_t)(((h >> i) & 1u) << 4));
+    for (int i = 0; i < 32; i++) q.q[i] = (int16_t)((q.q[i] | (int16_t)(((h >> i) & 1u) << 4)) - off);
     return q;
 }
 

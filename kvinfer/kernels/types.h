@@ -19,15 +19,15 @@ struct kvq_type {
 };
 
 /* IQ4_XS has no avx2 copy: its table's values would saturate vpmaddubsw's int16 pair sums (kquants.h). Q2_K has
- * none at all. The 32-weight types are kept in the AMX tiles' layout, at the avx512 level only, except Q5_1: its
- * routes read the GGUF blocks (the kept layout has no place for the fifth bits yet). */
+ * none at all. The 32-weight types are kept in the AMX tiles' layout, at the avx512 level only. */
 #define KVQ_NTYPES 31
 static const struct kvq_type KVQ_TYPES[KVQ_NTYPES] = {
     [QT_F32] = {"F32", 1, 4, 0},
     [QT_F16] = {"F16", 1, 2, 0},
     [QT_Q4_0] = {"Q4_0", 32, 18, KVQ_KEPT_AT(2)},
     [QT_Q4_1] = {"Q4_1", 32, 20, KVQ_KEPT_AT(2)},
-    [QT_Q5_1] = {"Q5_1", 32, 24, 0},
+    [QT_Q5_0] = {"Q5_0", 32, 22, KVQ_KEPT_AT(2)},
+    [QT_Q5_1] = {"Q5_1", 32, 24, KVQ_KEPT_AT(2)},
     [QT_Q8_0] = {"Q8_0", 32, 34, KVQ_KEPT_AT(2)},
     [QT_Q2_K] = {"Q2_K", QK_K, 84, 0},
     [QT_Q3_K] = {"Q3_K", QK_K, 110, KVQ_KEPT_VNNI},
@@ -44,7 +44,7 @@ static inline const struct kvq_type *kvq_type(int qt) {
 }
 
 /* Bytes per block of qt when its blocks hold `elems` elements, else 0: the kernels are written per block family
- * (1: float rows, 32: Q4_0 / Q4_1 / Q5_1 / Q8_0, QK_K: the 256-weight super-blocks). */
+ * (1: float rows, 32: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, QK_K: the 256-weight super-blocks). */
 static inline int kvq_type_bytes(int qt, int elems) {
     const struct kvq_type *t = kvq_type(qt);
     return t && t->block_elems == elems ? t->block_bytes : 0;

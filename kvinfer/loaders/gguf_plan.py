@@ -34,16 +34,19 @@ def fusion_order(hf_name: str) -> tuple:
 
 
 # Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
-# (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). The loader rewrites such blocks as Q8_0 (34 bytes
-# for 22 / 18) and the Q8_0 kernels take them: the same values as the gguf package dequantizes, at 1.5-1.9x the
-# file's bytes for those matrices, well below float32's. Q5_1 (d * q + m) is no Q8_0 weight; the kernels take its
-# blocks as stored.
+# (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). Where the kernels do not take such a type as stored,
+# the loader rewrites its blocks as Q8_0 (34 bytes for 22 / 18) and the Q8_0 kernels take them: the same values as
+# the gguf package dequantizes, at 1.5-1.9x the file's bytes for those matrices, well below float32's. That is
+# IQ4_NL's route; the kernels read Q5_0 as stored (with the rewrite's bits), and Q5_1 (d * q + m, no Q8_0 weight).
 AS_Q8_0 = frozenset({"Q5_0", "IQ4_NL"})
 _IQ4NL_VALUES = np.array(IQ4NL_VALUES, dtype=np.int8)
 
 
 def kernel_type(tname: str, lazy_types: frozenset) -> str:
-    """The type a matrix stored as tname is kept in (itself, or Q8_0 for AS_Q8_0 types when the kernels take Q8_0)."""
+    """The type a matrix stored as tname is kept in: itself where the kernels take it (lazy_types), else Q8_0 for an
+    AS_Q8_0 type when they take Q8_0, else itself (widened)."""
+    if tname in lazy_types:
+        return tname
     return "Q8_0" if tname in AS_Q8_0 and "Q8_0" in lazy_types else tname
 
 

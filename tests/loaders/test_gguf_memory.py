@@ -72,23 +72,25 @@ def test_mapped_blocks_view_the_file_unless_their_rows_are_reordered(tmp_path):
 
 
 @needs_kernels
-def test_kept_copies_packed_from_the_mapping_hold_the_files_rows(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_kept_copies_packed_from_the_mapping_hold_the_files_rows(tmp_path, qtype):
     from kvinfer.layers.quant_linear import QuantEmbedding
 
     lib = kernels.active()
-    if not (kernels.keep_tiles_enabled() and kernels.drop_source_enabled() and lib.drops_kept_source("Q4_0")):
-        pytest.skip("the active kernels keep no Q4_0 copy with the rows' pages given back")
-    path = make_gguf.make(tmp_path / "m.gguf", "tiny", "Q4_0")
+    if not (kernels.keep_tiles_enabled() and kernels.drop_source_enabled() and lib.drops_kept_source(qtype)):
+        pytest.skip(f"the active kernels keep no {qtype} copy with the rows' pages given back")
+    path = make_gguf.make(tmp_path / "m.gguf", "tiny", qtype)
     loaded = load_model(EngineConfig(model=str(path), dtype="float32", device="cpu"))
-    raw = read_gguf(path, keep_raw=True, lazy_types=frozenset({"Q4_0"})).raw
+    raw = read_gguf(path, keep_raw=True, lazy_types=frozenset({qtype})).raw
     layer = loaded.model.layers[1]
     want = {layer.attn.qkv: [raw[f"model.layers.1.self_attn.{p}_proj.weight"][0] for p in "qkv"],
             layer.mlp.gate_up: [raw[f"model.layers.1.mlp.{p}_proj.weight"][0] for p in ("gate", "up")],
             layer.mlp.down: [raw["model.layers.1.mlp.down_proj.weight"][0]]}
     for m, parts in want.items():
-        assert isinstance(m, QuantLinear) and m._tiles is not None and m._tiles.dropped  # kept at load already
+        assert isinstance(m, QuantLinear) and m.qtype == qtype  # (Q5_0 too: read as stored, not as Q8_0)
+        assert m._tiles is not None and m._tiles.dropped  # kept at load already
         rows = torch.from_numpy(np.concatenate(parts))
-        assert torch.equal(m._tiles.tiles, lib.keep_tiles(rows, m.out_features, m.in_features, "Q4_0").tiles)
+        assert torch.equal(m._tiles.tiles, lib.keep_tiles(rows, m.out_features, m.in_features, qtype).tiles)
         assert torch.equal(m.source(), rows)
     emb = loaded.model.embed
     assert isinstance(emb, QuantEmbedding) and emb.kept() is not None  # tied: the head's copy serves the lookups

@@ -57,9 +57,10 @@ def test_mixed_fused_projection_loads_and_matches_float(tmp_path, caplog):
 
 
 @needs_kernels
-def test_q5_0_and_iq4_nl_are_kept_as_q8_0_with_the_same_weights(tmp_path, caplog):
-    # Every Q5_0 / IQ4_NL weight is d times a small integer, so the loader rewrites the blocks as Q8_0 (the same
-    # d, the same integer) and the Q8_0 kernels take them: nothing widened, the gguf package's floats exactly.
+def test_q5_0_stays_q5_0_and_iq4_nl_is_kept_as_q8_0_with_the_same_weights(tmp_path, caplog):
+    # The kernels read Q5_0 as stored (22 bytes per 32 weights). Every IQ4_NL weight is d times a small integer,
+    # so the loader rewrites its blocks as Q8_0 (the same d, the same integer) and the Q8_0 kernels take them: nothing
+    # widened, the gguf package's floats exactly, and the start-up line names only what was rewritten.
     types = dict(TYPES, **{"blk.0.ffn_gate.weight": "Q5_0", "blk.0.ffn_up.weight": "IQ4_NL",
                            "blk.0.ffn_down.weight": "Q5_0", "blk.1.attn_v.weight": "IQ4_NL"})
     path = write_mixed(tmp_path / "q50.gguf", types=types)
@@ -67,15 +68,17 @@ def test_q5_0_and_iq4_nl_are_kept_as_q8_0_with_the_same_weights(tmp_path, caplog
         q = load(path)
     msgs = [r.getMessage() for r in caplog.records]
     assert not [m for m in msgs if "widened" in m]
-    assert [m for m in msgs if "IQ4_NL x2, Q5_0 x2 kept as Q8_0" in m], msgs
+    rewrites = [m for m in msgs if "kept as Q8_0" in m]
+    assert len(rewrites) == 1 and "IQ4_NL x2 kept as Q8_0" in rewrites[0] and "Q5_0" not in rewrites[0], msgs
     l0, l1 = q.model.layers
-    assert isinstance(l0.mlp.gate_up, QuantLinear) and l0.mlp.gate_up.qtype == "Q8_0"
-    assert isinstance(l0.mlp.down, QuantLinear) and l0.mlp.down.qtype == "Q8_0"
+    assert isinstance(l0.mlp.gate_up, QuantParts) and [p.qtype for p in l0.mlp.gate_up.parts] == ["Q5_0", "Q8_0"]
+    assert isinstance(l0.mlp.down, QuantLinear) and l0.mlp.down.qtype == "Q5_0"
+    assert l0.mlp.down.raw.numel() == l0.mlp.down.out_features * l0.mlp.down.in_features // 32 * 22
     assert isinstance(l1.attn.qkv, QuantLinear) and l1.attn.qkv.qtype == "Q8_0"  # Q8_0 q/k with an IQ4_NL v
     reader = gguf.GGUFReader(str(path))
     file_w = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
-    want = torch.cat([file_w["blk.0.ffn_gate.weight"], file_w["blk.0.ffn_up.weight"]])
-    assert torch.equal(l0.mlp.gate_up.dequantized_weight(), want)
+    assert torch.equal(l0.mlp.gate_up.parts[0].dequantized_weight(), file_w["blk.0.ffn_gate.weight"])
+    assert torch.equal(l0.mlp.gate_up.parts[1].dequantized_weight(), file_w["blk.0.ffn_up.weight"])
     assert torch.equal(l0.mlp.down.dequantized_weight(), file_w["blk.0.ffn_down.weight"])
     f = load(path, quantization="none")  # the file's weights widened: the kernels differ only by rounding x
     prompt, feed = [3, 9, 17, 40, 5], [11, 2, 33]

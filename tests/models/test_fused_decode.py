@@ -265,6 +265,16 @@ def test_qwen2_q4_k_m_biased_qkv_parts_decode_fused_bitwise_at_every_level(tmp_p
 
 
 @needs_kernels
+@pytest.mark.skipif(not Path(LLAMA_QUANTIZE).is_file(), reason=f"{LLAMA_QUANTIZE} is not built (Q4_K_M needs it)")
+def test_q4_k_m_q5_0_parts_decode_fused_bitwise_at_every_level(tmp_path):
+    # Rows that are not whole 256-weight super-blocks (here 64 and 128 wide; Qwen2.5-0.5B's 896) are written as Q5_0
+    # in a Q4_K_M file, and the kernels read them as stored (kept at avx512): one layer's q/k/v is Q5_0 whole, the
+    # other's Q5_0 q/k with a Q8_0 v, in parts, each with its bias.
+    qkv = _levels_run("tiny-qwen2", tmp_path, "", "Q4_K_M")
+    assert [["Q5_0", True]] in qkv and [["Q5_0", True], ["Q5_0", True], ["Q8_0", True]] in qkv
+
+
+@needs_kernels
 def test_biases_the_c_step_takes_and_refuses(tmp_path):
     # A dense layer's biases travel in the table beside their weights; an expert's bias, or a bias of another
     # dtype, keeps the eager path (and says why).

@@ -1,7 +1,8 @@
 /* ---- prompt rows on AMX bfloat16 tiles (kvq_matmul_prompt) ----
  * The engine may compute a prompt's rows by another route than generated tokens' rows, chosen by the row's role
  * (its position against the prompt's length), never by the batch: here each weight of a kept copy is widened
- * to the dequantizer's float (Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m: a multiply, then an add) and rounded
+ * to the dequantizer's float (Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16), Q4_1 and Q5_1 d * q + m: a
+ * multiply, then an add) and rounded
  * to bfloat16 (to nearest even), each activation too, and tdpbf16ps sums 32 K values per instruction into float
  * tiles, block after block in K order. A row's result depends on its own values only (whatever M, its place in
  * a tile or the thread count: threads split the columns), so a prompt row gets the same bits whatever else is
@@ -55,20 +56,24 @@ BF16P_TARGET static inline __attribute__((always_inline)) void bf16p_pack_t(cons
     const __m512i m15 = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(qt == QT_Q4_0 ? 8 : 0);
     for (int64_t b = 0; b < nb; b++) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dh + b * KEPT_COLS)));
+        const __m512 m = q_has_min(qt) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mh + b * KEPT_COLS)))
+                                       : _mm512_setzero_ps();
         uint16_t *o = bt + b * 512;
-        if (qt == QT_Q8_0) {
+        if (qt == QT_Q8_0 || q_has_qh(qt)) { /* 5-bit quants as bytes in Q8_0's rows (kept_quants) */
+            __m512i W[8];
+            if (qt != QT_Q8_0) kept_quants(g, b, qt, W);
             for (int k = 0; k < 8; k++) { /* dword c: quants 4k..4k+3 of col c -> rows 2k, 2k + 1 */
-                const __m512i v = _mm512_load_si512(g + b * 512 + 64 * k);
+                const __m512i v = qt == QT_Q8_0 ? _mm512_load_si512(g + b * 512 + 64 * k) : W[k];
                 __m512 w[4];
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < 4; i++) {
                     w[i] = _mm512_mul_ps(
                         d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24)));
+                    if (qt == QT_Q5_1) w[i] = _mm512_add_ps(w[i], m);
+                }
                 bf16p_pair(w[0], w[1], idx, o + 32 * (2 * k));
                 bf16p_pair(w[2], w[3], idx, o + 32 * (2 * k + 1));
             }
         } else {
-            const __m512 m = qt == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mh + b * KEPT_COLS)))
-                                           : _mm512_setzero_ps();
             for (int k = 0; k < 4; k++) { /* byte i of dword c: quant 4k+i (low nibble), 16+4k+i (high) */
                 const __m512i v = _mm512_load_si512(g + b * 256 + 64 * k);
                 for (int h = 0; h < 2; h++) {
@@ -90,6 +95,8 @@ BF16P_TARGET static inline __attribute__((always_inline)) void bf16p_pack_t(cons
 BF16P_TARGET static void bf16p_pack(const uint8_t *g, int64_t nb, int qt, uint16_t *bt) {
     if (qt == QT_Q4_1) bf16p_pack_t(g, nb, QT_Q4_1, bt);
     else if (qt == QT_Q4_0) bf16p_pack_t(g, nb, QT_Q4_0, bt);
+    else if (qt == QT_Q5_0) bf16p_pack_t(g, nb, QT_Q5_0, bt);
+    else if (qt == QT_Q5_1) bf16p_pack_t(g, nb, QT_Q5_1, bt);
     else bf16p_pack_t(g, nb, QT_Q8_0, bt);
 }
 

@@ -48,7 +48,7 @@ void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0
                    float *d, float *m) {
     const int bb = block_bytes(qt), qoff = q_qs_offset(qt);
     const int64_t nc = c1 - c0;
-    const __m128i mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(qt == QT_Q4_0 ? 8 : 0);
+    const __m128i mask = _mm_set1_epi8(15), off = _mm_set1_epi8((char)q_offset(qt));
     for (int o8 = 0; o8 < AMX_COLS / 8; o8++) { /* 8 columns at a time: two 4 x 4 transposes, d and m as vectors */
         const int64_t cb = 8 * o8;
         const int full = cb + 8 <= nc;
@@ -66,14 +66,15 @@ void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb, int64_t c0
                     hi[u] = _mm_loadu_si128((const __m128i *)(blk + 18));
                 } else {
                     const __m128i v = _mm_loadu_si128((const __m128i *)(blk + qoff));
-                    lo[u] = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
-                    hi[u] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
-                    if (qt == QT_Q5_1) { /* the fifth bits: elements 0..15 in lo, 16..31 in hi */
+                    lo[u] = _mm_and_si128(v, mask);
+                    hi[u] = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+                    if (q_has_qh(qt)) { /* the fifth bits: elements 0..15 in lo, 16..31 in hi */
                         uint32_t h;
-                        memcpy(&h, blk + 4, 4);
+                        memcpy(&h, blk + q_qh_offset(qt), 4);
                         lo[u] = _mm_or_si128(lo[u], q5_high16(h & 0xffffu));
                         hi[u] = _mm_or_si128(hi[u], q5_high16(h >> 16));
                     }
+                    lo[u] = _mm_sub_epi8(lo[u], off), hi[u] = _mm_sub_epi8(hi[u], off);
                 }
             }
             float *db = d + b * AMX_COLS + cb, *mb = m + b * AMX_COLS + cb;
@@ -243,7 +244,7 @@ static inline __attribute__((always_inline)) int amx_rows_t(const struct job *j,
 
 static int amx_rows(const struct job *j, const int8_t *xh, const uint8_t *xl, int64_t n0, int64_t n1,
                     const uint8_t *kept) {
-    if (q_has_min(j->qt)) /* Q4_1, or Q5_1 (never kept) */
+    if (q_has_min(j->qt)) /* Q4_1, Q5_1 */
         return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 1) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 1);
     return kept ? amx_rows_t(j, xh, xl, n0, n1, kept, 1, 0) : amx_rows_t(j, xh, xl, n0, n1, NULL, 0, 0);
 }
