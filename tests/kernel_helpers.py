@@ -59,3 +59,20 @@ def fused_calls():
         yield calls
     finally:
         FusedDecode.__call__, FusedDecode.decode_steps = one, many
+
+
+def assert_kept_routes(lib, w, qtype: str, kept, xs: dict, want: dict, bias=None, also=None, tag=()) -> None:
+    """lib.matmul of each x in xs with W's kept copy gives want[m] bitwise on every route: the AMX tiles on and off
+    (where the OS grants them), 1 and 2 threads. also(m, x, y), if given, checks more for each row count."""
+    amx = lib.amx
+    try:
+        for tiles in ([True, False] if amx else [False]):
+            lib.set_amx(tiles)
+            for m, x in xs.items():
+                for nt in (1, 2):
+                    y = lib.matmul(x, w, qtype, bias=bias, num_threads=nt, kept=kept)
+                    assert torch.equal(y, want[m]), (*tag, m, tiles, nt)
+                if also is not None:
+                    also(m, x, y)
+    finally:
+        lib.set_amx(amx)

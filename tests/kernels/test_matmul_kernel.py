@@ -19,7 +19,7 @@ import kvinfer.kernels as kernels
 from kvinfer import options
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear, quantized_embedding_rows
 from kvinfer.loaders.dequant import dequantize
-from tests.kernel_helpers import AMX, TOL, TOL_I16, levels_here, rel_err
+from tests.kernel_helpers import AMX, TOL, TOL_I16, assert_kept_routes, levels_here, rel_err
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -583,7 +583,6 @@ def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
     # and a call without the copy (or with a released one) reads the GGML rows.
     lib = kernels.library("avx512")
     generic = kernels.library("generic")
-    amx = lib.amx
     for n, k in [(37, 64), (129, 576), (61, 1536), (100, 608), (16, 32), (3, 32), (1290, 4096)]:  # (the last: spans)
         w = torch.from_numpy(make_raw(qtype, n, k, seed=n + 1))
         b = torch.randn(n)
@@ -595,16 +594,13 @@ def test_weights_kept_in_tile_layout_give_the_same_bits(qtype):
         assert kept is not None and kept.nbytes == kept_bytes(qtype, n, k)
         raw = w.clone()
         w.zero_()  # the GGUF rows are no longer read: every route must take the kept copy
+
+        def as_the_portable_level(m, x, y):
+            assert torch.equal(y, generic.matmul(x, raw, qtype, bias=b)), (n, k, m)
+
         try:
-            for tiles in ([True, False] if amx else [False]):
-                lib.set_amx(tiles)
-                for m, x in xs.items():
-                    for nt in (1, 2):
-                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt, kept=kept)
-                        assert torch.equal(y, before[m]), (n, k, m, tiles, nt)
-                    assert torch.equal(y, generic.matmul(x, raw, qtype, bias=b)), (n, k, m, tiles)
+            assert_kept_routes(lib, w, qtype, kept, xs, before, bias=b, also=as_the_portable_level, tag=(n, k))
         finally:
-            lib.set_amx(amx)
             w.copy_(raw)
         kept.release()
         assert all(torch.equal(lib.matmul(x, w, qtype, bias=b, kept=kept), before[m]) for m, x in xs.items())

@@ -12,7 +12,7 @@ import torch
 import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
 from kvinfer.loaders.gguf_plan import as_q8_0
-from tests.kernel_helpers import AMX, TOL_I16, levels_here, rel_err
+from tests.kernel_helpers import AMX, TOL_I16, assert_kept_routes, levels_here, rel_err
 
 
 AVX512 = kernels.best_level() == "avx512"
@@ -96,17 +96,18 @@ def test_q5_0_fifth_bits_count():
         assert not torch.equal(ys[0], ys[1])
 
 
-def test_q5_0_embedding_rows_are_the_gguf_floats_on_every_level():
-    n, k = 50, 896
-    raw = make_raw(n, k, seed=9)
-    w, full = torch.from_numpy(raw), gguf_weights(raw, n, k)
+@pytest.mark.parametrize("qtype,k", [("Q5_0", 896), ("Q5_1", 96)])
+def test_q5_embedding_rows_are_the_gguf_floats_on_every_level(qtype, k):
+    n = 50
+    raw = make_raw(n, k, seed=9, qtype=qtype)
+    w, full = torch.from_numpy(raw), gguf_weights(raw, n, k, qtype)
     ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
     for lv in levels_here():
-        got = kernels.library(lv).embed_rows(w, "Q5_0", ids, k)
+        got = kernels.library(lv).embed_rows(w, qtype, ids, k)
         assert torch.equal(got.view(torch.int32), full[ids].view(torch.int32)), lv
     with pytest.raises(ValueError, match=r"\[0, 50\)"):
-        kernels.embed_rows(w, "Q5_0", torch.tensor([50]), k)
-    emb = QuantEmbedding(w, "Q5_0", (n, k))
+        kernels.embed_rows(w, qtype, torch.tensor([50]), k)
+    emb = QuantEmbedding(w, qtype, (n, k))
     assert torch.equal(emb(ids), full[ids])
 
 
@@ -146,7 +147,6 @@ def test_a_kept_5_bit_weight_gives_the_gguf_rows_bits_and_reads_back_byte_for_by
     # bits of the generic level over the GGUF rows (for Q5_0: of the Q8_0 rewrite, kept or not), the embedding rows
     # the gguf package's floats, and the pages come back byte for byte from the copy.
     lib, generic = kernels.library("avx512"), kernels.library("generic")
-    amx = lib.amx
     lo = lib.amx_min_rows or 24
     for n, k in [(37, 896), (129, 1152), (16, 256), (3, 32), (100, 608)]:
         raw = make_raw(n, k, seed=n, qtype=qtype)
@@ -162,17 +162,12 @@ def test_a_kept_5_bit_weight_gives_the_gguf_rows_bits_and_reads_back_byte_for_by
         xs[3][1] = 0.0  # an all-zero row: every block's scale 0
         want = {m: generic.matmul(x, torch.from_numpy(raw), qtype, bias=b) for m, x in xs.items()}
         w.zero_()
-        try:
-            for tiles in ([True, False] if amx else [False]):
-                lib.set_amx(tiles)
-                for m, x in xs.items():
-                    for nt in (1, 2):
-                        y = lib.matmul(x, w, qtype, bias=b, num_threads=nt, kept=kept)
-                        assert torch.equal(y, want[m]), (n, k, m, tiles, nt)
-                    if q8_kept is not None:
-                        assert torch.equal(lib.matmul(x, q8, "Q8_0", bias=b, kept=q8_kept), want[m]), (n, k, m)
-        finally:
-            lib.set_amx(amx)
+
+        def as_the_rewrite(m, x, y):
+            if q8_kept is not None:
+                assert torch.equal(lib.matmul(x, q8, "Q8_0", bias=b, kept=q8_kept), want[m]), (n, k, m)
+
+        assert_kept_routes(lib, w, qtype, kept, xs, want, bias=b, also=as_the_rewrite, tag=(n, k))
         ids = torch.tensor([n - 1, 0, n // 2, n - 1])
         got = lib.embed_rows(w, qtype, ids, k, kept=kept)
         assert torch.equal(got.view(torch.int32), gguf_weights(raw, n, k, qtype)[ids].view(torch.int32)), (n, k)

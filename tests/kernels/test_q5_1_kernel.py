@@ -1,5 +1,6 @@
 """Q5_1 weights in the legacy-block kernels (w = d * q + m, q 0..31: Q4_1's arithmetic with a fifth bit per quant):
-against the gguf package's dequantization, every level, every batch and tile, the embedding rows, and the layer."""
+against the gguf package's dequantization, every level, every batch and tile, and the layer (its embedding rows:
+test_q5_0_kernel.py)."""
 from __future__ import annotations
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import kvinfer.kernels as kernels
-from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
+from kvinfer.layers.quant_linear import QuantLinear
 from tests.kernel_helpers import AMX, TOL, TOL_I16, levels_here, rel_err
 
 
@@ -81,20 +82,6 @@ def test_q5_1_every_level_tile_and_batch_gives_a_row_the_same_bits(k):
         for m in range(1, 18):
             assert torch.equal(lib.matmul(x[:m], w, "Q5_1"), alone[:m]), (lib.level, m)
         assert torch.equal(lib.matmul(x, w, "Q5_1", num_threads=1), alone), lib.level
-
-
-def test_q5_1_embedding_rows_are_the_gguf_floats_on_every_level():
-    n, k = 50, 96
-    raw = make_raw(n, k, seed=9)
-    w, full = torch.from_numpy(raw), gguf_weights(raw, n, k)
-    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
-    for lv in levels_here():
-        got = kernels.library(lv).embed_rows(w, "Q5_1", ids, k)
-        assert torch.equal(got.view(torch.int32), full[ids].view(torch.int32)), lv
-    with pytest.raises(ValueError, match=r"\[0, 50\)"):
-        kernels.embed_rows(w, "Q5_1", torch.tensor([50]), k)
-    emb = QuantEmbedding(w, "Q5_1", (n, k))
-    assert torch.equal(emb(ids), full[ids])
 
 
 def test_q5_1_layer_runs_on_the_kernel_without_a_float_copy():
