@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -190,26 +190,17 @@ def _quantize_by_layer(model: Decoder, raw: dict, keep: bool = False, span: tupl
     for i in range(len(model.layers)):
         prefix = f"model.layers.{i}."
         part = {k: raw.pop(k) for k in [k for k in raw if k.startswith(prefix)]}
-        ends = [a + n for a, n in (_bytes_at(v[0]) for v in part.values()) if n and span[0] <= a < span[1]]
+        ends = [a.ctypes.data + a.nbytes for a, *_ in part.values() if a.nbytes and span[0] <= a.ctypes.data < span[1]]
         swapped += quantize_from_gguf(model, part, keep=keep)
         del part
         if keep:
             keep_now(model.layers[i])
             if ends:  # everything of the mapping before the layer's end (its q/k rows, read to be reordered, too)
-                drop_pages(span[0], min(span[1], -(-max(ends) // 4096) * 4096) - span[0])
+                drop_pages(span[0], min(span[1], -(-max(ends) // mmap.PAGESIZE) * mmap.PAGESIZE) - span[0])
     swapped += quantize_from_gguf(model, raw, keep=keep)
     if keep:
         keep_now(model)
     return swapped
-
-
-def _bytes_at(a) -> tuple[int, int]:
-    """(address, bytes) of a numpy array or tensor in `raw`; (0, 0) for anything else."""
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data, a.nbytes
-    if isinstance(a, torch.Tensor):
-        return a.data_ptr(), a.numel() * a.element_size()
-    return 0, 0
 
 
 def keep_now(module: nn.Module) -> None:
