@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import assert_error_shape, engine_config, start_server
+from server_helpers import assert_error_shape, engine_config, metric, start_server
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,18 @@ def _stream(url: str, out: dict, key: int, started: threading.Barrier) -> None:
     out[key] = events
 
 
+def _wait_admitted(url: str, n: int, timeout: float = 60) -> None:
+    """Until /metrics counts n requests running or waiting in the engine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        admitted = metric(text, "kvinfer_num_requests_running") + metric(text, "kvinfer_num_requests_waiting")
+        if admitted >= n:
+            return
+        assert time.monotonic() < deadline, f"only {admitted:g} of {n} requests reached the engine"
+        time.sleep(0.05)
+
+
 def _finish(proc: subprocess.Popen, timeout: float = 60) -> str:
     try:
         proc.wait(timeout)
@@ -156,6 +168,7 @@ def test_signal_ends_open_streams_with_an_error_and_done_then_exits_0(sig):
             t.start()
         plain.start()
         started.wait(60)  # every stream has its first chunk: they are running
+        _wait_admitted(url, 4)  # and the unstreamed one is in too (sent after the signal, it would be refused instead)
         proc.send_signal(sig)
         time.sleep(0.3)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
