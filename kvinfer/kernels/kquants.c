@@ -324,10 +324,67 @@ static inline __attribute__((always_inline)) void kq_super_block(const struct kq
 }
 #endif
 
+#if KVQ_LEVEL >= 1
+#define KQ_PAIR_ROWS 4 /* from this many rows a super-block's quants are laid out by pairs (kq_pairs) first */
+
+/* kq_super_block's quants q [KG][256] as p [128][KG] int32: p[i][u] = column u's quants 2i and 2i + 1, the pair
+ * vpmaddwd meets with activations 2i, 2i + 1 (8 x 8 transposes of int32: moves only). */
+static inline void kq_pairs(const int16_t *q, int32_t *p) {
+    for (int b = 0; b < QK_K / 16; b++) {
+        __m256i v[KG], t[KG], s[KG];
+        for (int u = 0; u < KG; u++) v[u] = _mm256_loadu_si256((const __m256i *)(q + u * QK_K + 16 * b));
+        for (int u = 0; u < KG; u += 2)
+            t[u] = _mm256_unpacklo_epi32(v[u], v[u + 1]), t[u + 1] = _mm256_unpackhi_epi32(v[u], v[u + 1]);
+        for (int h = 0; h < KG; h += 4) /* s[h + e]: element e (and e + 4) of columns h..h + 3 */
+            for (int e = 0; e < 2; e++) {
+                s[h + 2 * e] = _mm256_unpacklo_epi64(t[h + e], t[h + e + 2]);
+                s[h + 2 * e + 1] = _mm256_unpackhi_epi64(t[h + e], t[h + e + 2]);
+            }
+        for (int e = 0; e < 4; e++) {
+            _mm256_storeu_si256((__m256i *)(p + (8 * b + e) * KG), _mm256_permute2x128_si256(s[e], s[e + 4], 0x20));
+            _mm256_storeu_si256((__m256i *)(p + (8 * b + e + 4) * KG), _mm256_permute2x128_si256(s[e], s[e + 4], 0x31));
+        }
+    }
+}
+
+/* Rows r0..r0 + R - 1 of super-block s against the pairs p: each pair of quants meets a broadcast pair of
+ * activations in every row, so a sub-block's int32 sums come out one column per lane with no horizontal sum. The
+ * same integer D_j as kq_cols's row loop (the same pairs, added in another order: exact), then the same float
+ * operations in the same order. */
+static inline __attribute__((always_inline)) void kq_rows_pairs(const struct kq_job *j, int64_t s, int64_t r0,
+                                                                const int R, const int32_t *p, float ds[][KG],
+                                                                float dm[][KG], float *acc, const int qt) {
+    const int64_t M = j->M, x0 = s * M + r0; /* super-block-major rows (kq_by_super_block) */
+    const int sub = kq_sub16(qt) ? 8 : 16; /* pairs per sub-block */
+    vf a[KQ_PAIR_ROWS];
+    const int32_t *xr[KQ_PAIR_ROWS];
+    for (int i = 0; i < R; i++) a[i] = vf_load(acc + (r0 + i) * KG), xr[i] = (const int32_t *)(j->xq + (x0 + i) * QK_K);
+    for (int t = 0; t < QK_K / 2 / sub; t++) {
+        vi d[KQ_PAIR_ROWS];
+        for (int i = 0; i < R; i++) d[i] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int e = t * sub; e < (t + 1) * sub; e++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(p + e * KG));
+            for (int i = 0; i < R; i++) d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(w, _mm256_set1_epi32(xr[i][e])));
+        }
+        for (int i = 0; i < R; i++) {
+            if (kq_sub16(qt)) {
+                a[i] = vf_fma(vi_to_vf(d[i]), vf_mul(vf_load(ds[t]), vf_set1(j->dx[(x0 + i) * 8 + t / 2])), a[i]);
+                if (qt == QT_Q2_K) a[i] = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[(x0 + i) * 16 + t]), a[i]);
+            } else {
+                a[i] = vf_fma(vi_to_vf(d[i]), vf_mul(vf_load(ds[t]), vf_set1(j->dx[(x0 + i) * 8 + t])), a[i]);
+                if (qt != QT_IQ4_XS) a[i] = vf_fnma(vf_load(dm[t]), vf_set1(j->sx[(x0 + i) * 8 + t]), a[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) vf_store(acc + (r0 + i) * KG, a[i]);
+}
+#endif
+
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
 static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j, int64_t n0, int64_t n1,
                                                            float *acc, int16_t *q, const int qt) {
-    const int64_t nsb = j->K / QK_K, nb = j->K / 32, M = j->M;
+    const int64_t nsb = j->K / QK_K, M = j->M;
     for (int64_t n = n0; n < n1; n += KG) {
         const int g = n1 - n < KG ? (int)(n1 - n) : KG;
         const uint8_t *rows[KG];
@@ -336,9 +393,21 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int64_t s = 0; s < nsb; s++) {
             float ds[16][KG], dm[16][KG];
             kq_super_block(j, rows, n, s, qt, q, ds, dm);
+#if KVQ_LEVEL >= 1
+            if (M >= KQ_PAIR_ROWS) {
+                int32_t p[QK_K / 2 * KG];
+                kq_pairs(q, p);
+                int64_t r = 0;
+                for (; r + KQ_PAIR_ROWS <= M; r += KQ_PAIR_ROWS) kq_rows_pairs(j, s, r, KQ_PAIR_ROWS, p, ds, dm, acc, qt);
+                if (M - r == 3) kq_rows_pairs(j, s, r, 3, p, ds, dm, acc, qt);
+                else if (M - r == 2) kq_rows_pairs(j, s, r, 2, p, ds, dm, acc, qt);
+                else if (M - r == 1) kq_rows_pairs(j, s, r, 1, p, ds, dm, acc, qt);
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < M; r++) {
-                const int16_t *xr = j->xq + r * j->K + s * QK_K;
-                const float *dxr = j->dx + r * nb + s * 8, *sxr = j->sx + r * nb + s * 8;
+                const int16_t *xr = j->xq + (s * M + r) * QK_K; /* super-block-major (kq_by_super_block) */
+                const float *dxr = j->dx + (s * M + r) * 8, *sxr = j->sx + (s * M + r) * 8;
                 vf a = vf_load(acc + r * KG);
                 if (kq_sub16(qt)) {
                     for (int t = 0; t < 16; t++) {
@@ -346,7 +415,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                         for (int u = 0; u < KG; u++) p[u] = vs_madd16(q + u * QK_K + 16 * t, xr + 16 * t);
                         a = vf_fma(vi_to_vf(vi_sum8(p)), vf_mul(vf_load(ds[t]), vf_set1(dxr[t / 2])), a);
                         if (qt == QT_Q2_K)
-                            a = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[r * (j->K / 16) + s * 16 + t]), a);
+                            a = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[(s * M + r) * 16 + t]), a);
                     }
                 } else {
                     for (int t = 0; t < 8; t++) {
@@ -366,6 +435,19 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
             for (int u = 0; u < g; u++)
                 j->y[r * j->ldy + n + u] = j->bias ? acc[r * KG + u] + j->bias[n + u] : acc[r * KG + u];
     }
+}
+
+/* a [M, K / QK_K, e] (row-major, e values per super-block) to [K / QK_K, M, e]: every row's part of one super-block
+ * side by side, so kq_cols's pass over the rows reads one run, not M strides of the row length (which, at a power-
+ * of-two row length, land in the same cache sets and evict each other from some hundred rows on). Moves only. */
+static void *kq_by_super_block(void *a, int64_t M, int64_t nsb, size_t e) {
+    if (M <= 1 || !a) return a;
+    char *t = (char *)malloc((size_t)(M * nsb) * e);
+    if (t)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t s = 0; s < nsb; s++) memcpy(t + (s * M + r) * e, (char *)a + (r * nsb + s) * e, e);
+    free(a);
+    return t;
 }
 
 static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
@@ -449,6 +531,11 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             const int64_t e = groups * (tid + 1) / nth * KC;
             kvqi_kc_cols(&j, xu, kept, groups * tid / nth * KC, e < N ? e : N); /* whole groups each */
         }
+    } else if (!(j.xq = xq = kq_by_super_block(xq, M, K / QK_K, sizeof(int16_t) * QK_K)) ||
+               !(j.dx = dx = kq_by_super_block(dx, M, K / QK_K, sizeof(float) * 8)) ||
+               !(j.sx = sx = kq_by_super_block(sx, M, K / QK_K, sizeof(float) * 8)) ||
+               (sx16 && !(j.sx16 = sx16 = kq_by_super_block(sx16, M, K / QK_K, sizeof(float) * 16)))) {
+        rc = KVQ_ENOMEM;
     } else if (nt == 1) {
         rc = kq_run(&j, 0, N);
     } else {
