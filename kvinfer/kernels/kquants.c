@@ -277,6 +277,56 @@ static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]
                                                       _mm_loadl_epi64((const __m128i *)(sb + so + 8 * KC + KC * t))))));
     }
 }
+
+/* Q4_K, Q5_K and Q6_K from the copy straight to kq_pairs's layout: a row of the copy holds 4 quants (bytes) of each
+ * column, which one in-lane byte shuffle per pair widens to int16 pairs of that column's lane. */
+static inline int kc_pairs_direct(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+
+static inline __attribute__((always_inline)) void kc_pairs8(const uint8_t *sb, const int qt, int32_t *p) {
+    /* per column (dword): bytes 0, 1 -> int16 pair (4k, 4k + 1); bytes 2, 3 -> (4k + 2, 4k + 3) */
+    const __m256i s01 = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
+                                         0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+    const __m256i s23 = _mm256_add_epi8(s01, _mm256_setr_epi8(2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0,
+                                                               2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0));
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), m3 = _mm256_set1_epi8(3);
+#define KC_PUT(v, i) (_mm256_storeu_si256((__m256i *)(p + (i) * KG), _mm256_shuffle_epi8(v, s01)), \
+                      _mm256_storeu_si256((__m256i *)(p + ((i) + 1) * KG), _mm256_shuffle_epi8(v, s23)))
+    if (qt == QT_Q6_K) { /* value 128h + 32p + 4k + b: low nibble of ql row 16h + 8p + k, bits 2p.. of qh row 8h + k;
+                          * + 64: high nibble, bits 4 + 2p.. */
+        const __m256i o = _mm256_set1_epi16(32);
+        for (int h = 0; h < 2; h++)
+            for (int pp = 0; pp < 2; pp++)
+                for (int k = 0; k < 8; k++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(sb + KC_R * (16 * h + 8 * pp + k)));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 32 * KC_R + KC_R * (8 * h + k)));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(a, m15), _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(hb, 2 * pp), m3), 4));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m15), _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(hb, 4 + 2 * pp), m3), 4));
+                    const int i = 64 * h + 16 * pp + 2 * k;
+                    _mm256_storeu_si256((__m256i *)(p + i * KG), _mm256_sub_epi16(_mm256_shuffle_epi8(lo, s01), o));
+                    _mm256_storeu_si256((__m256i *)(p + (i + 1) * KG), _mm256_sub_epi16(_mm256_shuffle_epi8(lo, s23), o));
+                    _mm256_storeu_si256((__m256i *)(p + (i + 32) * KG), _mm256_sub_epi16(_mm256_shuffle_epi8(hi, s01), o));
+                    _mm256_storeu_si256((__m256i *)(p + (i + 33) * KG), _mm256_sub_epi16(_mm256_shuffle_epi8(hi, s23), o));
+                }
+        return;
+    }
+    /* Q4_K / Q5_K: value 64c + 4k + b is the low nibble of row 8c + k (+ bit 2c of Q5_K's high-bit row k), value
+     * 64c + 32 + 4k + b its high nibble (+ bit 2c + 1) */
+    for (int c = 0; c < 4; c++)
+        for (int k = 0; k < 8; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(sb + KC_R * (8 * c + k)));
+            __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (qt == QT_Q5_K) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 32 * KC_R + KC_R * k));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            }
+            KC_PUT(lo, 32 * c + 2 * k);
+            KC_PUT(hi, 32 * c + 16 + 2 * k);
+        }
+#undef KC_PUT
+}
 #endif
 
 
@@ -325,7 +375,8 @@ static inline __attribute__((always_inline)) void kq_super_block(const struct kq
 #endif
 
 #if KVQ_LEVEL >= 1
-#define KQ_PAIR_ROWS 4 /* from this many rows a super-block's quants are laid out by pairs (kq_pairs) first */
+#define KQ_PAIR_FROM 3 /* from this many rows a super-block's quants are laid out by pairs (kq_pairs) first */
+#define KQ_PAIR_ROWS 4 /* and met by this many rows at a time */
 
 /* kq_super_block's quants q [KG][256] as p [128][KG] int32: p[i][u] = column u's quants 2i and 2i + 1, the pair
  * vpmaddwd meets with activations 2i, 2i + 1 (8 x 8 transposes of int32: moves only). */
@@ -392,11 +443,20 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
         for (int64_t i = 0; i < M * KG; i++) acc[i] = 0.0f;
         for (int64_t s = 0; s < nsb; s++) {
             float ds[16][KG], dm[16][KG];
-            kq_super_block(j, rows, n, s, qt, q, ds, dm);
 #if KVQ_LEVEL >= 1
-            if (M >= KQ_PAIR_ROWS) {
+            if (M >= KQ_PAIR_FROM) {
                 int32_t p[QK_K / 2 * KG];
-                kq_pairs(q, p);
+#if KVQ_LEVEL == 1
+                if (j->kept && kc_pairs_direct(qt)) {
+                    const uint8_t *sb = j->kept + (n / KG * nsb + s) * kc_sb_bytes(qt);
+                    kc_pairs8(sb, qt, p);
+                    kc_scales8(sb, qt, ds, dm);
+                } else
+#endif
+                {
+                    kq_super_block(j, rows, n, s, qt, q, ds, dm);
+                    kq_pairs(q, p);
+                }
                 int64_t r = 0;
                 for (; r + KQ_PAIR_ROWS <= M; r += KQ_PAIR_ROWS) kq_rows_pairs(j, s, r, KQ_PAIR_ROWS, p, ds, dm, acc, qt);
                 if (M - r == 3) kq_rows_pairs(j, s, r, 3, p, ds, dm, acc, qt);
@@ -405,6 +465,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 continue;
             }
 #endif
+            kq_super_block(j, rows, n, s, qt, q, ds, dm);
             for (int64_t r = 0; r < M; r++) {
                 const int16_t *xr = j->xq + (s * M + r) * QK_K; /* super-block-major (kq_by_super_block) */
                 const float *dxr = j->dx + (s * M + r) * 8, *sxr = j->sx + (s * M + r) * 8;

@@ -184,8 +184,9 @@ KEPT_LEVELS = [lv for lv in ("avx2", "avx512") if lv in _levels_here()]
 @pytest.mark.parametrize("qtype", SBTYPES)
 def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     # kquants.c's kept routes (byte dot products over the copy laid out at load; at avx2 from 3 rows the int16
-    # route reading the copy) against kq_cols over the GGUF rows: every row count (tiles and their tails), thread
-    # count, a tail group of 13 columns, a bias, an all-zero row
+    # route reading the copy, from 4 rows straight into its pairs) against kq_cols over the GGUF rows: every row
+    # count (tiles and their tails, the pair route's 4 rows and 1-3 more), thread count, a tail group of 13
+    # columns, a bias, an all-zero row
     if level not in KEPT_LEVELS:
         pytest.skip(f"this CPU cannot run the {level} level")
     if qtype not in KEPT_AT[level]:  # IQ4_XS at avx2: T's values would saturate vpmaddubsw
@@ -197,7 +198,7 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(31))
     x[7] = 0.0
     bias = torch.randn(n)
-    want = {m: lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=1) for m in (1, 2, 8, 9, 19)}
+    want = {m: lib.matmul(x[:m], raw, qtype, bias=bias, num_threads=1) for m in (1, 2, 3, 6, 8, 9, 19)}
     kept = lib.keep_tiles(raw, n, k, qtype)
     assert kept is not None and kept.nbytes >= raw.numel()
     try:
