@@ -12,8 +12,8 @@
  * its minimum meets sx16, the exact float sum of each 16 activations, computed here as quantize_rows sums 32.)
  *   y = acc (+ bias[n], one add).
  * A super-block of 8 output columns is unpacked once to int16 quants and exact float scales, then every row of
- * the call reads it; a row's accumulators live in memory between super-blocks, so the row count never changes a
- * row's operations. No AMX route: these types run on the vector route on every CPU.
+ * the call reads it (from KQ_PAIR_FROM rows laid out by pairs: kq_pairs, kq_rows_pairs); a row's accumulators
+ * live in memory between super-blocks, so the row count never changes a row's operations. No AMX route: these types run on the vector route on every CPU.
  *
  * This file: the route over the GGUF rows, and (avx2) the reading of a kept copy's super-blocks by kq_cols; the kept
  * copies' layout is kquants.h's, their packing, readback and own route kquants_kept.c's.
