@@ -13,7 +13,8 @@
  *   y = acc (+ bias[n], one add).
  * A super-block of 8 output columns is unpacked once to int16 quants and exact float scales, then every row of
  * the call reads it (from KQ_PAIR_FROM rows laid out by pairs: kq_pairs, kq_rows_pairs); a row's accumulators
- * live in memory between super-blocks, so the row count never changes a row's operations. No AMX route: these types run on the vector route on every CPU.
+ * live in memory between super-blocks, so the row count never changes a row's operations. No AMX route: these
+ * types run on the vector route on every CPU.
  *
  * This file: the route over the GGUF rows, and (avx2) the reading of a kept copy's super-blocks by kq_cols; the kept
  * copies' layout is kquants.h's, their packing, readback and own route kquants_kept.c's.
@@ -408,15 +409,19 @@ static inline __attribute__((always_inline)) void kq_rows_pairs(const struct kq_
     const int64_t M = j->M, x0 = s * M + r0; /* super-block-major rows (kq_by_super_block) */
     const int sub = kq_sub16(qt) ? 8 : 16; /* pairs per sub-block */
     vf a[KQ_PAIR_ROWS];
-    const int32_t *xr[KQ_PAIR_ROWS];
-    for (int i = 0; i < R; i++) a[i] = vf_load(acc + (r0 + i) * KG), xr[i] = (const int32_t *)(j->xq + (x0 + i) * QK_K);
+    const int16_t *xr[KQ_PAIR_ROWS];
+    for (int i = 0; i < R; i++) a[i] = vf_load(acc + (r0 + i) * KG), xr[i] = j->xq + (x0 + i) * QK_K;
     for (int t = 0; t < QK_K / 2 / sub; t++) {
         vi d[KQ_PAIR_ROWS];
         for (int i = 0; i < R; i++) d[i] = _mm256_setzero_si256();
 #pragma GCC unroll 16
         for (int e = t * sub; e < (t + 1) * sub; e++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(p + e * KG));
-            for (int i = 0; i < R; i++) d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(w, _mm256_set1_epi32(xr[i][e])));
+            for (int i = 0; i < R; i++) {
+                int32_t xp; /* activations 2e, 2e + 1 */
+                memcpy(&xp, xr[i] + 2 * e, 4);
+                d[i] = _mm256_add_epi32(d[i], _mm256_madd_epi16(w, _mm256_set1_epi32(xp)));
+            }
         }
         for (int i = 0; i < R; i++) {
             if (kq_sub16(qt)) {

@@ -92,8 +92,8 @@ static inline int kc_sb_bytes(int qt) {
 #endif
 
 /* This level's kept-copy routes, in one place: up to KC_OWN_ROWS rows the copy's own route (kvqi_kc_cols, byte
- * products) runs; above them (avx2) kq_cols reads the copy (kquants.c: kc_pairs8, or kc_gguf8 back to GGUF bytes). The generic level keeps no copy
- * (KC_OWN_ROWS < 0: a copy passed is not read). */
+ * products) runs; above them (avx2) kq_cols reads the copy (kquants.c: kc_pairs8, or kc_gguf8 back to GGUF
+ * bytes). The generic level keeps no copy (KC_OWN_ROWS < 0: a copy passed is not read). */
 #if KVQ_LEVEL >= 2
 #define KC_OWN_ROWS INT64_MAX
 #elif KVQ_LEVEL == 1
