@@ -97,7 +97,7 @@ def test_every_level_batch_and_thread_count_gives_a_row_the_same_bits(qtype):
     assert len(libs) >= 2  # generic and avx2 at least
     alone = torch.cat([libs[0].matmul(x[i:i + 1].clone(), raw, qtype) for i in range(19)])
     for lib in libs:
-        for m in (1, 2, 4, 6, 8, 9, 19):  # the pair route: 4 rows at a time, then 1-3
+        for m in (1, 2, 4, 6, 8, 9, 19):  # the pair route (from 3 rows): 4 rows at a time, then 1-3
             for nt in (1, 2, 3):
                 assert torch.equal(lib.matmul(x[:m], raw, qtype, num_threads=nt), alone[:m]), (lib.level, m, nt)
 
@@ -184,7 +184,7 @@ KEPT_LEVELS = [lv for lv in ("avx2", "avx512") if lv in _levels_here()]
 @pytest.mark.parametrize("qtype", SBTYPES)
 def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     # kquants.c's kept routes (byte dot products over the copy laid out at load; at avx2 from 3 rows the int16
-    # route reading the copy, from 4 rows straight into its pairs) against kq_cols over the GGUF rows: every row
+    # route reading the copy straight into its pairs) against kq_cols over the GGUF rows: every row
     # count (tiles and their tails, the pair route's 4 rows and 1-3 more), thread count, a tail group of 13
     # columns, a bias, an all-zero row
     if level not in KEPT_LEVELS:
