@@ -1,12 +1,14 @@
-"""What the kernel tests share: error bounds, the levels this machine runs, and running a model with the fused
-decode step on or off (and seeing that it ran)."""
+"""What the kernel tests share: error bounds, the levels this machine runs, a reference for the types whose every
+weight is a Q8_0 weight, and running a model with the fused decode step on or off (and seeing that it ran)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from kvinfer import kernels
+from kvinfer.loaders.dequant import IQ4NL_VALUES, block_info
 from kvinfer.engine.model_runner import ModelRunner
 from kvinfer.models.fused_decode import FusedDecode
 
@@ -22,6 +24,29 @@ AMX = kernels.cpu_features()["amx_granted"] and kernels.best_level() == "avx512"
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
+    """Q5_0 or IQ4_NL blocks (uint8, any shape whose last axis holds whole blocks) as Q8_0 blocks with the same d and
+    the same integer per weight (Q5_0: q - 16; IQ4_NL: its table's entry): uint8 [..., blocks * 34]. Every weight of
+    those types is d times a small integer, so the kernels must give these blocks' Q8_0 bits (the loader once
+    rewrote both types this way)."""
+    bb = block_info(tname)[1]
+    lead = data.shape[:-1]
+    blk = np.ascontiguousarray(data).reshape(-1, bb)
+    out = np.empty((blk.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = blk[:, :2]  # d
+    if tname == "Q5_0":
+        qh = blk[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is the fifth bit of weight j
+        qs = blk[:, 6:22]
+        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, 32]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16) | (bits.astype(np.int16) << 4)
+        out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
+    else:
+        assert tname == "IQ4_NL", tname
+        qs = blk[:, 2:18]
+        out[:, 2:] = np.array(IQ4NL_VALUES, dtype=np.int8)[np.concatenate([qs & 15, qs >> 4], axis=1)].view(np.uint8)
+    return out.reshape(*lead, -1)
 
 
 def levels_here() -> list[str]:

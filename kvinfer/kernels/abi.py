@@ -12,7 +12,7 @@ from kvinfer.config import KV_8BIT
 # GGML type ids, as the C side takes them: quantised (32-element blocks; K-quants, 256-element super-blocks, in
 # kquants.c) and float rows.
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-          "Q6_K": 14, "IQ4_XS": 23}
+          "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # KV cache element types: float32, 8-bit values with a float32 scale per group of 32 values of a row (KV_SCALED),
 # or bfloat16.
@@ -21,8 +21,8 @@ KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8, "bfloat16": torch.bfloat16
 KV_SCALED = KV_8BIT
 # (elements, bytes) per block, as ggml_blocks.h and qmatmul.c have them.
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136), "Q3_K": (256, 110),
-           "Q2_K": (256, 84)}
+           "IQ4_NL": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
+           "Q3_K": (256, 110), "Q2_K": (256, 84)}
 
 
 def _short_rows(qtype: str, k: int, row_bytes: int) -> bool:

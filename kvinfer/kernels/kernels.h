@@ -7,7 +7,10 @@
 enum {
     KVQ_OK = 0, KVQ_EBADTYPE = -1, KVQ_EBADSHAPE = -2, KVQ_ENOMEM = -4, KVQ_EROWBYTES = -5, KVQ_EBADBLOCK = -6
 };
-enum { QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_BF16 = 30 };
+enum {
+    QT_F32 = 0, QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_IQ4_NL = 20,
+    QT_BF16 = 30
+};
 /* KV cache element types: float32; 8-bit values (int8, or fp8 e4m3) with a float32 scale per group of 32;
  * bfloat16 (the float32 value rounded to nearest even, no scale). */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };

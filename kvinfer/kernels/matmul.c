@@ -83,7 +83,8 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     uint8_t *xu = NULL;
     /* a copy is read where this build has the kept route and keeps this type (float rows have no kept layout) */
     if (!bb || !ROUTE.kept || !kvq_type_kept(qt)) kept = NULL;
-    if (bb && ROUTE.amx && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself, on all threads) */
+    /* (IQ4_NL stays on the vectors: its tile packing is not built, and the bits are the same) */
+    if (bb && ROUTE.amx && !q_is_nl(qt) && kvq_amx_enable(-1) && M >= kvq_amx_min_rows()) { /* (it rounds x itself) */
         const int rc = ROUTE.amx(&j, xq, dx, sx, nt, kept);
         free(xq), free(dx), free(sx);
         return rc;
@@ -131,8 +132,8 @@ int kvq_matmul_packed(const int64_t *a) {
 }
 
 /* Rows ids[0..n) of a GGML matrix (N rows of K elements, ldw bytes apart) as float32 out[n, K]: the embedding
- * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16), Q4_1 and
- * Q5_1 d * q + m (a multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if
+ * lookup. The same floats as kvinfer.loaders.dequant: Q8_0 d * q, Q4_0 d * (q - 8), Q5_0 d * (q - 16), IQ4_NL
+ * d * table[q], Q4_1 and Q5_1 d * q + m (a multiply, then an add), fp16 / bf16 widened exactly. Returns KVQ_EBADSHAPE (out untouched) if
  * an id is outside [0, N). */
 static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t N,
                            int64_t K, float *out);
@@ -182,6 +183,11 @@ static int embed_gguf_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t 
             float *yb = y + b * QK;
             if (qt == QT_Q8_0)
                 for (int i = 0; i < QK; i++) yb[i] = (float)(int8_t)blk[2 + i] * d;
+            else if (qt == QT_IQ4_NL)
+                for (int i = 0; i < 16; i++) {
+                    yb[i] = (float)KQ_IQ4NL[blk[2 + i] & 15] * d;
+                    yb[i + 16] = (float)KQ_IQ4NL[blk[2 + i] >> 4] * d;
+                }
             else if (qt == QT_Q4_0)
                 for (int i = 0; i < 16; i++) {
                     yb[i] = (float)((blk[2 + i] & 15) - 8) * d;

@@ -41,8 +41,8 @@
 #define QNG NG
 #endif
 
-/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), per element of a float type; 0 for any other
- * type. */
+/* Bytes per block of a 32-weight type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), per element of a float type; 0 for
+ * any other type. */
 static inline int block_bytes(int qt) { return kvq_type_bytes(qt, QK); }
 static inline int elem_bytes(int qt) { return kvq_type_bytes(qt, 1); }
 /* Of a 32-weight type: whether it adds a minimum per block (w = d * q + m: Q4_1, Q5_1); whether its quants have a
@@ -53,6 +53,9 @@ static inline int q_has_qh(int qt) { return qt == QT_Q5_0 || qt == QT_Q5_1; }
 static inline int q_qh_offset(int qt) { return qt == QT_Q5_1 ? 4 : 2; }
 static inline int q_qs_offset(int qt) { return qt == QT_Q5_1 ? 8 : qt == QT_Q5_0 ? 6 : qt == QT_Q4_1 ? 4 : 2; }
 static inline int q_offset(int qt) { return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : 0; }
+/* IQ4_NL: d qs[16], w = d * KQ_IQ4NL[nibble] (Q4_0's nibbles through a table): Q8_0's arithmetic on the table's
+ * integers, the bits of the same blocks rewritten as Q8_0 (gguf_plan.as_q8_0). */
+static inline int q_is_nl(int qt) { return qt == QT_IQ4_NL; }
 
 static inline float load_w1(const uint8_t *row, int64_t k, int qt) {
     if (qt == QT_F32) return ((const float *)row)[k];
@@ -128,7 +131,8 @@ KVQ_HIDDEN void kvqi_amx_pack(const uint8_t *w, int64_t ldw, int qt, int64_t nb,
  * 32 b + 4 k + i of each column; 4-bit types as the GGML nibbles, 4 rows; Q5_0 / Q5_1 those 4 rows and a fifth of
  * their fifth bits, bit k of byte 4 c + i holding column c's bit 4 k + i of qh, so that bit k of every byte is row k
  * of Q8_0's layout), then the blocks' d of the 16 columns as fp16 bits, then (Q4_1, Q5_1) their m. That is the GGML
- * bytes' size (Q8_0: 544 per block of 16 columns, Q4_1: 320, Q5_0: 352), so a one-row decode reads no more than
+ * bytes' size (Q8_0: 544 per block of 16 columns, Q4_1: 320, Q5_0: 352, Q4_0 and IQ4_NL: 288), so a one-row decode
+ * reads no more than
  * from the GGML rows. Same quants into the same exact integer products: same results (the gain: docs/BENCHMARKS.md,
  * "Figures behind code decisions"). */
 #define KEPT_COLS 16
@@ -143,7 +147,8 @@ static inline int64_t kept_group_bytes(int64_t nb, int qt) {
 /* Block b's quants of a kept group as 8 rows of 64 signed bytes (row k: quants 4k..4k+3 of each column, minus
  * q_offset). A 4-bit group keeps the GGML nibbles, row k (k < 4) holding the 4 bytes 4k..4k+3 of each column's
  * block: low nibbles are quants 4k.., high nibbles quants 16 + 4k...; a 5-bit group's fifth-bit row adds 16 where
- * its bit k is set (a mask per row: one test and one masked add). */
+ * its bit k is set (a mask per row: one test and one masked add); IQ4_NL's nibbles index its table (a byte
+ * shuffle). */
 static inline __attribute__((always_inline)) void kept_quants(const uint8_t *gq, int64_t b, int qt, __m512i W[8]) {
     if (qt == QT_Q8_0) {
         for (int k = 0; k < 8; k++) W[k] = _mm512_load_si512(gq + b * 512 + 64 * k);
@@ -160,6 +165,10 @@ static inline __attribute__((always_inline)) void kept_quants(const uint8_t *gq,
         }
         W[k] = _mm512_and_si512(v, lo);
         W[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+        if (q_is_nl(qt)) {
+            const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KQ_IQ4NL));
+            W[k] = _mm512_shuffle_epi8(tbl, W[k]), W[k + 4] = _mm512_shuffle_epi8(tbl, W[k + 4]);
+        }
         if (qt == QT_Q4_0) W[k] = _mm512_sub_epi8(W[k], eight), W[k + 4] = _mm512_sub_epi8(W[k + 4], eight);
     }
     if (q_has_qh(qt)) {

@@ -56,6 +56,7 @@ void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_
 
 static inline q32 load_q(const uint8_t *blk, int qt) {
     if (qt == QT_Q8_0) return q32_from_q8(blk + 2);
+    if (q_is_nl(qt)) return q32_from_nl(blk + 2, KQ_IQ4NL);
     if (q_has_qh(qt)) return q32_from_q5(blk + q_qh_offset(qt), blk + q_qs_offset(qt), q_offset(qt));
     return q32_from_q4(blk + q_qs_offset(qt), q_offset(qt));
 }
@@ -129,6 +130,10 @@ static inline __attribute__((always_inline)) void load_q16(const uint8_t *const 
         R[9 + 2 * t] = _mm512_srli_epi16(b, 4);
     }
     if (q_has_qh(qt)) or_fifth_bits16(rows, off + q_qh_offset(qt), R);
+    if (q_is_nl(qt)) { /* each word's nibble (0..15) indexes the table, widened to 16-bit words */
+        const __m512i tbl = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)KQ_IQ4NL)));
+        for (int j = 0; j < 16; j++) R[j] = _mm512_permutexvar_epi16(R[j], tbl);
+    }
     if (q_offset(qt))
         for (int j = 0; j < 16; j++) R[j] = _mm512_sub_epi16(R[j], o);
 }
@@ -256,6 +261,7 @@ static inline __attribute__((always_inline)) void tile_q(const int16_t *xq, cons
         else if (qt == QT_Q5_1) tile_q(xq, dx, sx, nb, w, ldw, QT_Q5_1, y, ldy, n0, n1, pf, MT);               \
         else if (qt == QT_Q5_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q5_0, y, ldy, n0, n1, pf, MT);               \
         else if (qt == QT_Q4_0) tile_q(xq, dx, sx, nb, w, ldw, QT_Q4_0, y, ldy, n0, n1, pf, MT);               \
+        else if (qt == QT_IQ4_NL) tile_q(xq, dx, sx, nb, w, ldw, QT_IQ4_NL, y, ldy, n0, n1, pf, MT);           \
         else tile_q(xq, dx, sx, nb, w, ldw, QT_Q8_0, y, ldy, n0, n1, pf, MT);                                  \
     }
 KVQ_TILE_Q(1)
@@ -364,6 +370,7 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
         else if (qt == QT_Q4_0) kept_rows(xu, dx, sx, nb, QT_Q4_0, kept, y, ldy, n0, n1, MT);                  \
         else if (qt == QT_Q5_0) kept_rows(xu, dx, sx, nb, QT_Q5_0, kept, y, ldy, n0, n1, MT);                  \
         else if (qt == QT_Q5_1) kept_rows(xu, dx, sx, nb, QT_Q5_1, kept, y, ldy, n0, n1, MT);                  \
+        else if (qt == QT_IQ4_NL) kept_rows(xu, dx, sx, nb, QT_IQ4_NL, kept, y, ldy, n0, n1, MT);              \
         else kept_rows(xu, dx, sx, nb, QT_Q8_0, kept, y, ldy, n0, n1, MT);                                     \
     }
 KVQ_KEPT(1)

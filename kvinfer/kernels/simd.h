@@ -262,6 +262,16 @@ static inline q32 q32_from_q8(const uint8_t *qs) {
     return q;
 }
 
+/* IQ4_NL's quants: the nibbles as q32_from_q4 reads them, each replaced by its entry of tbl (16 int8). */
+static inline q32 q32_from_nl(const uint8_t *qs, const int8_t *tbl) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), t = _mm_loadu_si128((const __m128i *)tbl);
+    const __m128i m = _mm_set1_epi8(15);
+    q32 q;
+    q.lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(v, m)));
+    q.hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), m)));
+    return q;
+}
+
 /* 16 bytes, byte i 16 where bit i of h (16 bits) is set, else 0: the fifth bits of 16 of a Q5_0 / Q5_1 block's
  * quants. */
 static inline __m128i q5_high16(uint32_t h) {
@@ -430,6 +440,12 @@ static inline q32 q32_from_q4(const uint8_t *qs, int off) {
 static inline q32 q32_from_q8(const uint8_t *qs) {
     q32 q;
     for (int i = 0; i < 32; i++) q.q[i] = (int16_t)(int8_t)qs[i];
+    return q;
+}
+
+static inline q32 q32_from_nl(const uint8_t *qs, const int8_t *tbl) {
+    q32 q;
+    for (int i = 0; i < 16; i++) q.q[i] = tbl[qs[i] & 15], q.q[i + 16] = tbl[qs[i] >> 4];
     return q;
 }
 

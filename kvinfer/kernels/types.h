@@ -35,6 +35,7 @@ static const struct kvq_type KVQ_TYPES[KVQ_NTYPES] = {
     [QT_Q5_K] = {"Q5_K", QK_K, 176, KVQ_KEPT_VNNI},
     [QT_Q6_K] = {"Q6_K", QK_K, 210, KVQ_KEPT_VNNI},
     [QT_IQ4_XS] = {"IQ4_XS", QK_K, 136, KVQ_KEPT_AT(2)},
+    [QT_IQ4_NL] = {"IQ4_NL", 32, 18, KVQ_KEPT_AT(2)},
     [QT_BF16] = {"BF16", 1, 2, 0},
 };
 

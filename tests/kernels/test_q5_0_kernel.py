@@ -1,5 +1,5 @@
 """Q5_0 weights read as stored (w = d * (q - 16), q 0..31: the nibble plus a fifth bit): every level, row count and
-thread count gives the bits of the same blocks rewritten as Q8_0 (the loader's former route, gguf_plan.as_q8_0),
+thread count gives the bits of the same blocks rewritten as Q8_0 (the loader's former route, kernel_helpers.as_q8_0),
 and the embedding rows are the gguf package's floats. Q5_0 and Q5_1 weights kept in the avx512 level's 16-column
 layout (nibbles, a row of fifth bits, d, Q5_1's m) give the GGUF rows' bits and read back byte for byte."""
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 
 import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
-from kvinfer.loaders.gguf_plan import as_q8_0
-from tests.kernel_helpers import AMX, TOL_I16, assert_kept_routes, levels_here, rel_err
+from tests.kernel_helpers import AMX, TOL_I16, as_q8_0, assert_kept_routes, levels_here, rel_err
 
 
 AVX512 = kernels.best_level() == "avx512"

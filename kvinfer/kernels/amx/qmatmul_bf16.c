@@ -193,12 +193,12 @@ BF16P_TARGET static int bf16p_rows(const struct job *j, const uint16_t *xb, int6
     return KVQ_OK;
 }
 
-/* y = x W^T (+ bias) for prompt rows over W's kept copy: KVQ_EBADTYPE when the route is off or kept is NULL (the
- * caller then uses kvq_matmul). */
+/* y = x W^T (+ bias) for prompt rows over W's kept copy: KVQ_EBADTYPE when the route is off, kept is NULL or the
+ * type is IQ4_NL (whose tile packing is not built; the caller then uses kvq_matmul). */
 BF16P_TARGET int kvq_matmul_prompt(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                                    int64_t ldw, int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy,
                                    int nthreads) {
-    if (!amx_bf16_on || !block_bytes(qt)) return KVQ_EBADTYPE;
+    if (!amx_bf16_on || !block_bytes(qt) || q_is_nl(qt)) return KVQ_EBADTYPE;
     if (M < 0 || N < 0 || K <= 0 || K % QK || ldx < K || ldy < N) return KVQ_EBADSHAPE;
     if (ldw < K / QK * block_bytes(qt)) return KVQ_EROWBYTES;
     if (M == 0 || N == 0) return KVQ_OK;
