@@ -18,7 +18,7 @@ import torch
 from kvinfer.config import ModelConfig
 from kvinfer.errors import KvinferError, ModelLoadError, UnsupportedError
 from kvinfer.loaders.dequant import SUPPORTED_GGUF_TYPES, dequantize, nbytes_for, type_name
-from kvinfer.loaders.gguf_plan import as_q8_0, expected_shape, fusion_order, kernel_type, lazy_names, widening_note
+from kvinfer.loaders.gguf_plan import expected_shape, fusion_order, lazy_names, widening_note
 from kvinfer.models.families import GGUF_FAMILIES, model_config_from_hf
 from kvinfer.models.families.llama import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, rope_scaling_from_freqs,
                                            unpermute_rows)
@@ -514,7 +514,6 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
         # the lazy matrices' blocks are kept and every other tensor's bytes are dropped once widened.
         raw_all = keep_raw and not lazy_types
         widened = []
-        relaid: dict[str, list[int]] = {}  # type -> [matrices, bytes in the file, bytes as Q8_0]
         any_mapped = False
         for gname, hf in names.items():
             info = infos[gname]
@@ -528,16 +527,9 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
             types[hf] = tname
             rows = math.prod(info.shape[:-1])  # a stacked expert tensor's rows: every expert's, one after another
             if hf in lazy_set or raw_all:
-                mapped = hf in lazy_set and tname in mapped_types and order is None and tname == kernel_type(
-                    tname, lazy_types)
+                mapped = hf in lazy_set and tname in mapped_types and order is None
                 data = f.tensor_bytes(info) if mapped else f.read_tensor(info, order)
                 any_mapped |= mapped
-                if hf in lazy_set and kernel_type(tname, lazy_types) != tname:  # the same values, as Q8_0 blocks
-                    count = relaid.setdefault(tname, [0, 0, 0])
-                    count[0], count[1] = count[0] + 1, count[1] + data.nbytes
-                    data = as_q8_0(data.reshape(rows, -1), tname).reshape(-1)
-                    count[2] += data.nbytes
-                    tname = types[hf] = "Q8_0"
                 raw[hf] = (data.reshape(rows, -1) if len(info.shape) > 1 else data, tname, info.shape)
                 if hf in lazy_set:
                     lazy[hf] = torch.empty(tuple(info.shape), device="meta")
@@ -550,10 +542,6 @@ def read_gguf(path: Union[str, Path], keep_raw: bool = False, lazy_types: frozen
 
         if widened:
             log.warning("%s", widening_note(f.path, widened))
-        if relaid:
-            log.info("GGUF file %s: %s kept as Q8_0 blocks (the same weights; %.1f MiB for %.1f MiB in the file)",
-                     f.path, ", ".join(f"{t} x{c[0]}" for t, c in sorted(relaid.items())),
-                     sum(c[2] for c in relaid.values()) / 2**20, sum(c[1] for c in relaid.values()) / 2**20)
         # One dequantize call per type rather than per tensor: a few hundred small torch ops cost more in
         # dispatch and thread wake-ups (badly so on a busy machine) than the arithmetic itself.
         decoded: dict[str, torch.Tensor] = dict(lazy)

@@ -5,9 +5,7 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
-
-from kvinfer.loaders.dequant import IQ4NL_VALUES, block_info, type_name
+from kvinfer.loaders.dequant import type_name
 
 # Checkpoint matrices the decoder fuses into one layer (q/k/v, gate/up, and each expert's gate/up): the kernels
 # take a fused layer whose parts are all kernel types (one QuantLinear, or one per part where the types differ,
@@ -33,53 +31,15 @@ def fusion_order(hf_name: str) -> tuple:
     return (int(m.group(1)), _FUSION_RANK.get(m.group(2), 9), m.group(3), hf_name)
 
 
-# Types whose every weight is a Q8_0 weight, bit for bit: one fp16 scale d per block of 32 times a small integer
-# (Q5_0: q - 16 in [-16, 15]; IQ4_NL: its 16-entry int8 table). Where the kernels do not take such a type as stored,
-# the loader rewrites its blocks as Q8_0 (34 bytes for 22 / 18) and the Q8_0 kernels take them: the same values as
-# the gguf package dequantizes, at 1.5-1.9x the file's bytes for those matrices, well below float32's. That is
-# IQ4_NL's route; the kernels read Q5_0 as stored (with the rewrite's bits), and Q5_1 (d * q + m, no Q8_0 weight).
-AS_Q8_0 = frozenset({"Q5_0", "IQ4_NL"})
-_IQ4NL_VALUES = np.array(IQ4NL_VALUES, dtype=np.int8)
-
-
-def kernel_type(tname: str, lazy_types: frozenset) -> str:
-    """The type a matrix stored as tname is kept in: itself where the kernels take it (lazy_types), else Q8_0 for an
-    AS_Q8_0 type when they take Q8_0, else itself (widened)."""
-    if tname in lazy_types:
-        return tname
-    return "Q8_0" if tname in AS_Q8_0 and "Q8_0" in lazy_types else tname
-
-
-def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
-    """Blocks of type tname (AS_Q8_0; uint8, any shape whose last axis holds whole blocks) as Q8_0 blocks with the
-    same d and the same integer per weight: uint8 [..., blocks * 34]."""
-    assert tname in AS_Q8_0, tname
-    bb = block_info(tname)[1]
-    lead = data.shape[:-1]
-    blk = np.ascontiguousarray(data).reshape(-1, bb)
-    out = np.empty((blk.shape[0], 34), dtype=np.uint8)
-    out[:, :2] = blk[:, :2]  # d
-    if tname == "Q5_0":
-        qh = blk[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is the fifth bit of weight j
-        qs = blk[:, 6:22]
-        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [n, 32]
-        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16) | (bits.astype(np.int16) << 4)
-        out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
-    else:
-        qs = blk[:, 2:18]
-        out[:, 2:] = _IQ4NL_VALUES[np.concatenate([qs & 15, qs >> 4], axis=1)].view(np.uint8)
-    return out.reshape(*lead, -1)
-
-
 def lazy_names(names: dict[str, str], infos: dict[str, tuple], lazy_types: frozenset) -> set[str]:
     """HF names of the matrices left quantized: 2-D (or stacked experts, 3-D), not a router, and every part of their
-    fused group of a type the kernels take (kernel_type) (a group of Q4_K q/k with a Q6_K v stays quantized in
-    parts; one with any other type is widened whole).
+    fused group of a type the kernels take (lazy_types) (a group of Q4_K q/k with a Q6_K v stays quantized in parts;
+    one with any other type is widened whole).
 
     names: GGUF name -> HF name; infos: GGUF name -> (shape, type id)."""
     group_types: dict[str, set[str]] = {}
     for gname, hf in names.items():
-        group_types.setdefault(_fusion_group(hf), set()).add(kernel_type(type_name(infos[gname][1]), lazy_types))
+        group_types.setdefault(_fusion_group(hf), set()).add(type_name(infos[gname][1]))
     out = set()
     for gname, hf in names.items():
         types = group_types[_fusion_group(hf)]
