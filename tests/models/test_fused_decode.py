@@ -275,6 +275,15 @@ def test_q4_k_m_q5_0_parts_decode_fused_bitwise_at_every_level(tmp_path):
 
 
 @needs_kernels
+@pytest.mark.skipif(not Path(LLAMA_QUANTIZE).is_file(), reason=f"{LLAMA_QUANTIZE} is not built (IQ4_XS needs it)")
+def test_iq4_xs_files_iq4_nl_rows_decode_fused_bitwise_at_every_level(tmp_path):
+    # An IQ4_XS file writes rows that are not whole 256-weight super-blocks as IQ4_NL (here every matrix of this
+    # 64-wide model; Qwen2.5-0.5B's 896-wide ones): read as stored at every level, kept at avx512.
+    qkv = _levels_run("tiny-qwen2", tmp_path, "", "IQ4_XS")
+    assert qkv == [[["IQ4_NL", True]]] * 2
+
+
+@needs_kernels
 def test_biases_the_c_step_takes_and_refuses(tmp_path):
     # A dense layer's biases travel in the table beside their weights; an expert's bias, or a bias of another
     # dtype, keeps the eager path (and says why).
