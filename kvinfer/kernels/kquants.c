@@ -132,11 +132,20 @@ static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *cons
         }
         return;
     }
-    if (qt == QT_IQ4_XS) { /* d * (ls_j - 32): exact products, as kq_unpack's */
+    if (qt == QT_IQ4_XS) { /* d * (ls_j - 32): exact products, as kq_unpack's, one column per lane */
+        uint16_t dh[KG];
+        int32_t h[KG], l[KG]; /* scales_h, and scales_l as one little-endian word: ls_j's low bits at 4 j */
         for (int u = 0; u < KG; u++) {
             const uint8_t *b = rows[u] + off;
-            const float d = kvq_half(kvq_rd16(b));
-            for (int t = 0; t < 8; t++) ds[t][u] = d * (float)(kq_iq4xs_ls(b, t) - 32);
+            dh[u] = kvq_rd16(b), h[u] = kvq_rd16(b + 2);
+            memcpy(&l[u], b + 4, 4);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)); /* F16C: exact, as kvq_half */
+        const __m256i hv = vi_load(h), lv = vi_load(l), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
+        for (int t = 0; t < 8; t++) {
+            const __m256i ls = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lv, 4 * t), m15),
+                                               _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hv, 2 * t), m3), 4));
+            vf_store(ds[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)))));
         }
         return;
     }
@@ -435,6 +444,46 @@ static inline __attribute__((always_inline)) void kq_rows_pairs(const struct kq_
     }
     for (int i = 0; i < R; i++) vf_store(acc + (r0 + i) * KG, a[i]);
 }
+
+/* IQ4_XS below KQ_PAIR_FROM rows (decode, with no kept copy: avx2), with few shuffles (one port runs them all): a
+ * sub-block's 16 bytes, loaded into both halves of a register, give the low nibbles (elements 0..15) in the low
+ * half and the high nibbles (16..31) in the high half, one table lookup (pshufb) gives the 32 values as bytes, and
+ * shifts, not shuffles, sign-extend the even-placed and the odd-placed bytes to int16. The activations are split
+ * the same way once per sub-block and row (xe: elements 0, 2, .., 14, 16, .., 30; xo: 1, 3, .., 31), so each
+ * column costs one pshufb and two vpmaddwd. The same integer D_j (the same products, summed in another order:
+ * exact), then the same float operations in the same order. */
+static inline __attribute__((always_inline)) void kq_iq4xs_rows(const struct kq_job *j, const uint8_t *const *rows,
+                                                                int64_t s, const int R, float ds[][KG],
+                                                                float *acc) {
+    const int64_t M = j->M, x0 = s * M, off = s * kq_block_bytes(QT_IQ4_XS) + 8;
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KQ_IQ4NL));
+    const __m256i n15 = _mm256_set1_epi8(15), sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i eo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    vf a[KQ_PAIR_FROM - 1];
+    for (int i = 0; i < R; i++) a[i] = vf_load(acc + i * KG);
+    for (int t = 0; t < 8; t++) {
+        __m256i xe[KQ_PAIR_FROM - 1], xo[KQ_PAIR_FROM - 1];
+        for (int i = 0; i < R; i++) { /* per 128-bit half: even words, then odd words; then halves regrouped */
+            const int16_t *xr = j->xq + (x0 + i) * QK_K + 32 * t;
+            const __m256i l = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)xr), eo), 0xd8);
+            const __m256i h = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xr + 16)), eo), 0xd8);
+            xe[i] = _mm256_permute2x128_si256(l, h, 0x20), xo[i] = _mm256_permute2x128_si256(l, h, 0x31);
+        }
+        vi p[KQ_PAIR_FROM - 1][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rows[u] + off + 16 * t)));
+            const __m256i w = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srlv_epi32(v, sh), n15));
+            const __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
+            for (int i = 0; i < R; i++)
+                p[i][u] = _mm256_add_epi32(_mm256_madd_epi16(we, xe[i]), _mm256_madd_epi16(wo, xo[i]));
+        }
+        for (int i = 0; i < R; i++)
+            a[i] = vf_fma(vi_to_vf(vi_sum8(p[i])), vf_mul(vf_load(ds[t]), vf_set1(j->dx[(x0 + i) * 8 + t])), a[i]);
+    }
+    for (int i = 0; i < R; i++) vf_store(acc + i * KG, a[i]);
+}
 #endif
 
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
@@ -467,6 +516,12 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 if (M - r == 3) kq_rows_pairs(j, s, r, 3, p, ds, dm, acc, qt);
                 else if (M - r == 2) kq_rows_pairs(j, s, r, 2, p, ds, dm, acc, qt);
                 else if (M - r == 1) kq_rows_pairs(j, s, r, 1, p, ds, dm, acc, qt);
+                continue;
+            }
+            if (qt == QT_IQ4_XS && !j->kept) {
+                kq_scales8(rows, s * kq_block_bytes(qt), qt, ds, dm);
+                if (M == 2) kq_iq4xs_rows(j, rows, s, 2, ds, acc);
+                else kq_iq4xs_rows(j, rows, s, 1, ds, acc);
                 continue;
             }
 #endif
