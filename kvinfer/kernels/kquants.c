@@ -117,11 +117,20 @@ static inline __attribute__((always_inline)) void kq_scales8(const uint8_t *cons
                                                              float ds[][KG], float dm[][KG]) {
     __m256 c[KG], e[KG];
     if (qt == QT_Q2_K) { /* d * sc_j, dmin * m_j: exact products, as kq_unpack's */
+        __m256 c2[KG], e2[KG];
+        const __m256i m15 = _mm256_set1_epi32(15);
         for (int u = 0; u < KG; u++) {
             const uint8_t *b = rows[u] + off;
-            const float d = kvq_half(kvq_rd16(b + 80)), dmin = kvq_half(kvq_rd16(b + 82));
-            for (int t = 0; t < 16; t++) ds[t][u] = d * (float)(b[t] & 15), dm[t][u] = dmin * (float)(b[t] >> 4);
+            const __m256 d = _mm256_set1_ps(kvq_half(kvq_rd16(b + 80)));
+            const __m256 dmin = _mm256_set1_ps(kvq_half(kvq_rd16(b + 82)));
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+            c[u] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(lo, m15)));
+            c2[u] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(hi, m15)));
+            e[u] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)));
+            e2[u] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)));
         }
+        tr8(c, ds), tr8(c2, ds + 8), tr8(e, dm), tr8(e2, dm + 8);
         return;
     }
     if (qt == QT_Q3_K) { /* d * (sc_j - 32): exact products, as kq_unpack's */
@@ -484,6 +493,52 @@ static inline __attribute__((always_inline)) void kq_iq4xs_rows(const struct kq_
     }
     for (int i = 0; i < R; i++) vf_store(acc + i * KG, a[i]);
 }
+
+/* Q2_K below KQ_PAIR_FROM rows (it has no kept copy): as kq_iq4xs_rows. A group of 32 values (sub-blocks 2g and
+ * 2g + 1) is 2 bits of 32 quant bytes, so one load serves four groups, a shift and a mask give a group's values as
+ * bytes (low half of the register: sub-block 2g, high half: 2g + 1), and a mask or a shift widens the even- and the
+ * odd-placed ones to int16. The 8 columns' sums are then reduced per half: D of both sub-blocks. */
+static inline __attribute__((always_inline)) void kq_q2k_rows(const struct kq_job *j, const uint8_t *const *rows,
+                                                              int64_t s, const int R, float ds[][KG],
+                                                              float dm[][KG], float *acc) {
+    const int64_t M = j->M, x0 = s * M, off = s * kq_block_bytes(QT_Q2_K) + 16;
+    const __m256i m3 = _mm256_set1_epi8(3), lo8 = _mm256_set1_epi16(0xff);
+    const __m256i eo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    vf a[KQ_PAIR_FROM - 1];
+    for (int i = 0; i < R; i++) a[i] = vf_load(acc + i * KG);
+    for (int g = 0; g < 8; g++) {
+        __m256i xe[KQ_PAIR_FROM - 1], xo[KQ_PAIR_FROM - 1];
+        for (int i = 0; i < R; i++) { /* as kq_iq4xs_rows */
+            const int16_t *xr = j->xq + (x0 + i) * QK_K + 32 * g;
+            const __m256i l = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)xr), eo), 0xd8);
+            const __m256i h = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xr + 16)), eo), 0xd8);
+            xe[i] = _mm256_permute2x128_si256(l, h, 0x20), xo[i] = _mm256_permute2x128_si256(l, h, 0x31);
+        }
+        vi p[KQ_PAIR_FROM - 1][KG];
+        for (int u = 0; u < KG; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(rows[u] + off + 32 * (g / 4)));
+            const __m256i w = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), m3);
+            const __m256i we = _mm256_and_si256(w, lo8), wo = _mm256_srli_epi16(w, 8);
+            for (int i = 0; i < R; i++)
+                p[i][u] = _mm256_add_epi32(_mm256_madd_epi16(we, xe[i]), _mm256_madd_epi16(wo, xo[i]));
+        }
+        for (int i = 0; i < R; i++) {
+            const vi *v = p[i];
+            const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+            const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+            const __m256i c = _mm256_hadd_epi32(h01, h23), e = _mm256_hadd_epi32(h45, h67);
+            const __m256i D[2] = {_mm256_permute2x128_si256(c, e, 0x20), _mm256_permute2x128_si256(c, e, 0x31)};
+            for (int h = 0; h < 2; h++) {
+                const int t = 2 * g + h;
+                a[i] = vf_fma(vi_to_vf(D[h]), vf_mul(vf_load(ds[t]), vf_set1(j->dx[(x0 + i) * 8 + g])), a[i]);
+                a[i] = vf_fnma(vf_load(dm[t]), vf_set1(j->sx16[(x0 + i) * 16 + t]), a[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) vf_store(acc + i * KG, a[i]);
+}
 #endif
 
 /* Columns n0..n1 (whole groups of KG but the last) for every row; acc [M * KG], q [KG * 256] scratch. */
@@ -522,6 +577,12 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 kq_scales8(rows, s * kq_block_bytes(qt), qt, ds, dm);
                 if (M == 2) kq_iq4xs_rows(j, rows, s, 2, ds, acc);
                 else kq_iq4xs_rows(j, rows, s, 1, ds, acc);
+                continue;
+            }
+            if (qt == QT_Q2_K) {
+                kq_scales8(rows, s * kq_block_bytes(qt), qt, ds, dm);
+                if (M == 2) kq_q2k_rows(j, rows, s, 2, ds, dm, acc);
+                else kq_q2k_rows(j, rows, s, 1, ds, dm, acc);
                 continue;
             }
 #endif
