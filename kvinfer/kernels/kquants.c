@@ -454,6 +454,16 @@ static inline __attribute__((always_inline)) void kq_rows_pairs(const struct kq_
     for (int i = 0; i < R; i++) vf_store(acc + (r0 + i) * KG, a[i]);
 }
 
+/* 32 int16 activations x split for the few-row routes below: xe = x[0, 2, .., 14, 16, .., 30], xo = x[1, 3, .., 31]
+ * (per 128-bit half: even words, then odd; then the halves regrouped). */
+static inline __attribute__((always_inline)) void kq_split_eo(const int16_t *x, __m256i *xe, __m256i *xo) {
+    const __m256i eo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i l = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)x), eo), 0xd8);
+    const __m256i h = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(x + 16)), eo), 0xd8);
+    *xe = _mm256_permute2x128_si256(l, h, 0x20), *xo = _mm256_permute2x128_si256(l, h, 0x31);
+}
+
 /* IQ4_XS below KQ_PAIR_FROM rows (decode, with no kept copy: avx2), with few shuffles (one port runs them all): a
  * sub-block's 16 bytes, loaded into both halves of a register, give the low nibbles (elements 0..15) in the low
  * half and the high nibbles (16..31) in the high half, one table lookup (pshufb) gives the 32 values as bytes, and
@@ -467,19 +477,11 @@ static inline __attribute__((always_inline)) void kq_iq4xs_rows(const struct kq_
     const int64_t M = j->M, x0 = s * M, off = s * kq_block_bytes(QT_IQ4_XS) + 8;
     const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KQ_IQ4NL));
     const __m256i n15 = _mm256_set1_epi8(15), sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-    const __m256i eo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     vf a[KQ_PAIR_FROM - 1];
     for (int i = 0; i < R; i++) a[i] = vf_load(acc + i * KG);
     for (int t = 0; t < 8; t++) {
         __m256i xe[KQ_PAIR_FROM - 1], xo[KQ_PAIR_FROM - 1];
-        for (int i = 0; i < R; i++) { /* per 128-bit half: even words, then odd words; then halves regrouped */
-            const int16_t *xr = j->xq + (x0 + i) * QK_K + 32 * t;
-            const __m256i l = _mm256_permute4x64_epi64(
-                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)xr), eo), 0xd8);
-            const __m256i h = _mm256_permute4x64_epi64(
-                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xr + 16)), eo), 0xd8);
-            xe[i] = _mm256_permute2x128_si256(l, h, 0x20), xo[i] = _mm256_permute2x128_si256(l, h, 0x31);
-        }
+        for (int i = 0; i < R; i++) kq_split_eo(j->xq + (x0 + i) * QK_K + 32 * t, &xe[i], &xo[i]);
         vi p[KQ_PAIR_FROM - 1][KG];
         for (int u = 0; u < KG; u++) {
             const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rows[u] + off + 16 * t)));
@@ -503,19 +505,11 @@ static inline __attribute__((always_inline)) void kq_q2k_rows(const struct kq_jo
                                                               float dm[][KG], float *acc) {
     const int64_t M = j->M, x0 = s * M, off = s * kq_block_bytes(QT_Q2_K) + 16;
     const __m256i m3 = _mm256_set1_epi8(3), lo8 = _mm256_set1_epi16(0xff);
-    const __m256i eo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
     vf a[KQ_PAIR_FROM - 1];
     for (int i = 0; i < R; i++) a[i] = vf_load(acc + i * KG);
     for (int g = 0; g < 8; g++) {
         __m256i xe[KQ_PAIR_FROM - 1], xo[KQ_PAIR_FROM - 1];
-        for (int i = 0; i < R; i++) { /* as kq_iq4xs_rows */
-            const int16_t *xr = j->xq + (x0 + i) * QK_K + 32 * g;
-            const __m256i l = _mm256_permute4x64_epi64(
-                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)xr), eo), 0xd8);
-            const __m256i h = _mm256_permute4x64_epi64(
-                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(xr + 16)), eo), 0xd8);
-            xe[i] = _mm256_permute2x128_si256(l, h, 0x20), xo[i] = _mm256_permute2x128_si256(l, h, 0x31);
-        }
+        for (int i = 0; i < R; i++) kq_split_eo(j->xq + (x0 + i) * QK_K + 32 * g, &xe[i], &xo[i]);
         vi p[KQ_PAIR_FROM - 1][KG];
         for (int u = 0; u < KG; u++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(rows[u] + off + 32 * (g / 4)));
