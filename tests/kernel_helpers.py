@@ -49,6 +49,40 @@ def as_q8_0(data: np.ndarray, tname: str) -> np.ndarray:
     return out.reshape(*lead, -1)
 
 
+def assert_gives_the_rewrites_bits(raw: np.ndarray, qtype: str, n: int, k: int, file_floats: torch.Tensor) -> None:
+    """raw (n x k blocks of Q5_0 or IQ4_NL) through every level, row count (1, 3, 8, 64) and thread count gives the
+    generic level's bits over its Q8_0 rewrite (as_q8_0), which holds file_floats (the gguf package's) exactly and
+    is within TOL_I16 of their product with x. N odd ends on a partial column group."""
+    import gguf
+
+    w, w8 = torch.from_numpy(raw), torch.from_numpy(as_q8_0(raw, qtype))
+    back = gguf.quants.dequantize(w8.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(n, k)
+    assert torch.equal(torch.from_numpy(back.copy()), file_floats)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 3, 8, 64)}
+    want = {m: kernels.library("generic").matmul(x, w8, "Q8_0", bias=b) for m, x in xs.items()}
+    assert rel_err(want[8], xs[8].double() @ file_floats.double().T + b.double()) < TOL_I16
+    for lv in levels_here():
+        lib = kernels.library(lv)
+        for m, x in xs.items():
+            for nt in (1, 2):
+                assert torch.equal(lib.matmul(x, w, qtype, bias=b, num_threads=nt), want[m]), (lv, m, nt)
+            assert torch.equal(lib.matmul(x, w8, "Q8_0", bias=b), want[m]), (lv, m)
+
+
+def assert_every_tile_height_gives_a_row_its_bits(raw: np.ndarray, qtype: str, k: int) -> None:
+    """Tiles of 1-8 rows (16 at avx512) share each decoded block: every M up to 17 gives each row the bits it gets
+    alone (from the Q8_0 rewrite at the generic level), at every level."""
+    w = torch.from_numpy(raw)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(7))
+    w8 = torch.from_numpy(as_q8_0(raw, qtype))
+    alone = torch.cat([kernels.library("generic").matmul(x[i:i + 1].clone(), w8, "Q8_0") for i in range(17)])
+    for lv in levels_here():
+        lib = kernels.library(lv)
+        for m in range(1, 18):
+            assert torch.equal(lib.matmul(x[:m], w, qtype), alone[:m]), (lv, m)
+
+
 def levels_here() -> list[str]:
     """The kernel levels this CPU can run, lowest first."""
     return [lv for lv in kernels.LEVELS if kernels.LEVELS.index(lv) <= kernels.LEVELS.index(kernels.best_level())]

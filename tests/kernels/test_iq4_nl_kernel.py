@@ -11,7 +11,8 @@ import torch
 
 import kvinfer.kernels as kernels
 from kvinfer.layers.quant_linear import QuantEmbedding, QuantLinear
-from tests.kernel_helpers import AMX, TOL_I16, as_q8_0, assert_kept_routes, levels_here, rel_err
+from tests.kernel_helpers import (AMX, as_q8_0, assert_every_tile_height_gives_a_row_its_bits,
+                                  assert_gives_the_rewrites_bits, assert_kept_routes, levels_here)
 
 AVX512 = kernels.best_level() == "avx512"
 T = gguf.GGMLQuantizationType.IQ4_NL
@@ -36,41 +37,16 @@ def as_q8(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(as_q8_0(raw, "IQ4_NL"))
 
 
-def test_the_q8_0_rewrite_holds_the_gguf_weights():
-    n, k = 24, 896
-    raw = make_raw(n, k, seed=1)
-    back = gguf.quants.dequantize(as_q8(raw).numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(n, k)
-    assert torch.equal(torch.from_numpy(back.copy()), gguf_weights(raw, n, k))
-
-
 @pytest.mark.parametrize("k", [256, 896, 1152])
 def test_iq4_nl_matmul_gives_the_q8_0_rewrites_bits_on_every_level(k):
     # K = 896: Qwen2.5-0.5B's hidden size, the rows llama-quantize writes as IQ4_NL in an IQ4_XS file (not whole
-    # 256-weight super-blocks). N = 37 ends on a partial column group.
-    n = 37
-    raw = make_raw(n, k, seed=k)
-    w, w8 = torch.from_numpy(raw), as_q8(raw)
-    b = torch.randn(n, generator=torch.Generator().manual_seed(k))
-    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 3, 8, 64)}
-    want = {m: kernels.library("generic").matmul(x, w8, "Q8_0", bias=b) for m, x in xs.items()}
-    assert rel_err(want[8], xs[8].double() @ gguf_weights(raw, n, k).double().T + b.double()) < TOL_I16
-    for lv in levels_here():
-        lib = kernels.library(lv)
-        for m, x in xs.items():
-            for nt in (1, 2):
-                assert torch.equal(lib.matmul(x, w, "IQ4_NL", bias=b, num_threads=nt), want[m]), (lv, m, nt)
+    # 256-weight super-blocks).
+    raw = make_raw(37, k, seed=k)
+    assert_gives_the_rewrites_bits(raw, "IQ4_NL", 37, k, gguf_weights(raw, 37, k))
 
 
 def test_iq4_nl_every_tile_height_gives_a_row_the_same_bits():
-    n, k = 23, 1152
-    raw = make_raw(n, k, seed=5)
-    w = torch.from_numpy(raw)
-    x = torch.randn(17, k, generator=torch.Generator().manual_seed(7))
-    alone = torch.cat([kernels.library("generic").matmul(x[i:i + 1].clone(), as_q8(raw), "Q8_0") for i in range(17)])
-    for lv in levels_here():
-        lib = kernels.library(lv)
-        for m in range(1, 18):
-            assert torch.equal(lib.matmul(x[:m], w, "IQ4_NL"), alone[:m]), (lv, m)
+    assert_every_tile_height_gives_a_row_its_bits(make_raw(23, 1152, seed=5), "IQ4_NL", 1152)
 
 
 def test_iq4_nl_reads_every_table_entry_where_it_belongs():
