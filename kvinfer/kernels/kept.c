@@ -1,5 +1,5 @@
 /* A weight's kept copy at the avx512 level built with the AMX flags: the 16-column layout of Q4_0 / Q4_1 / Q5_0 /
- * Q5_1 / Q8_0 weights (layout in matmul.h, above kept_qbytes), its packing and its readback as GGUF bytes. The
+ * Q5_1 / Q8_0 / IQ4_NL weights (layout in matmul.h, above kept_qbytes), its packing and its readback as GGUF bytes. The
  * K-quants' copies are kquants_kept.c's; the routes that read a copy are qmatmul.c's kept_rows and amx/. A copy is
  * not looked up: the caller keeps it beside its weight and passes both in every call (kvq_matmul's kept), as it
  * passes the bias. */

@@ -1,5 +1,5 @@
 /* Matmul y[M,N] = x[M,K] @ W[N,K]^T (+ bias) for float32 activations and weights kept as GGML Q4_0 / Q4_1 /
- * Q5_0 / Q5_1 / Q8_0 blocks, or as float32 / fp16 / bf16 rows.
+ * Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, or as float32 / fp16 / bf16 rows.
  *
  * One arithmetic per output element, whatever M, the tile a row lands in, the thread count or the ISA level:
  * a row's result is a fixed sequence of IEEE operations on that row and the weights alone. That is what makes
@@ -8,10 +8,12 @@
  * Quantised weights (block layouts, 32 weights each, little-endian fp16 fields):
  *   Q4_0: d qs[16]    w = d * (q - 8)      Q4_1: d m qs[16]   w = d * q + m      Q8_0: d qs[32]   w = d * q
  *   Q5_0: d qh[4] qs[16]     w = d * (q - 16)       Q5_1: d m qh[4] qs[16]   w = d * q + m
+ *   IQ4_NL: d qs[16]  w = d * T[q] (T: 16 int8 values, KQ_IQ4NL; q a nibble as Q4_0's)
  * (4-bit: element i in the low nibble of qs[i], element i + 16 in its high nibble; Q5_0 / Q5_1: q is the 4-bit
  * quant plus 16 where bit i of qh is set for element i). Q5_1 is Q4_1 with a wider q, so it takes Q4_1's arithmetic
  * below: a result depends on d, m and q alone, and D_b stays exact. Q5_0 takes Q8_0's (and Q4_0's, the same): its
- * integers q - 16 are the ones the loader once rewrote as Q8_0 quants, so it gives that rewrite's bits. Each x row is
+ * integers q - 16 are the ones the loader once rewrote as Q8_0 quants, so it gives that rewrite's bits; IQ4_NL too,
+ * on its integers T[q] (looked up by load_q, load_q16 and kept_quants). Each x row is
  * rounded per 32-element block to int16 (x ~ dx * xq, |xq| <= 32767: relative error at most 1.5e-5 of the block's
  * largest |x|, 30x finer than fp16; llama.cpp rounds to 8 bits), so a block's dot product with the quants is exact
  * integer arithmetic, one int32 per block; it is scaled by d * dx and accumulated in float, block after block,
