@@ -519,11 +519,8 @@ static inline __attribute__((always_inline)) void kq_q2k_rows(const struct kq_jo
                 p[i][u] = _mm256_add_epi32(_mm256_madd_epi16(we, xe[i]), _mm256_madd_epi16(wo, xo[i]));
         }
         for (int i = 0; i < R; i++) {
-            const vi *v = p[i];
-            const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-            const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-            const __m256i c = _mm256_hadd_epi32(h01, h23), e = _mm256_hadd_epi32(h45, h67);
-            const __m256i D[2] = {_mm256_permute2x128_si256(c, e, 0x20), _mm256_permute2x128_si256(c, e, 0x31)};
+            vi D[2]; /* sub-blocks 2g and 2g + 1: each column's low and high half */
+            vi_sum4x2(p[i], &D[0], &D[1]);
             for (int h = 0; h < 2; h++) {
                 const int t = 2 * g + h;
                 a[i] = vf_fma(vi_to_vf(D[h]), vf_mul(vf_load(ds[t]), vf_set1(j->dx[(x0 + i) * 8 + g])), a[i]);

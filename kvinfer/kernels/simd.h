@@ -112,12 +112,19 @@ static inline vi vi_hsum8x8(const int32_t *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Lane r: the sum of v[r]'s 8 lanes, for 8 vectors held in registers. */
-static inline vi vi_sum8(const vi *v) {
+/* Lane r of *lo: the sum of v[r]'s low 4 lanes; of *hi: of its high 4 lanes (8 vectors held in registers). */
+static inline void vi_sum4x2(const vi *v, vi *lo, vi *hi) {
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
     const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    *lo = _mm256_permute2x128_si256(a, b, 0x20), *hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+/* Lane r: the sum of v[r]'s 8 lanes, for 8 vectors held in registers. */
+static inline vi vi_sum8(const vi *v) {
+    vi lo, hi;
+    vi_sum4x2(v, &lo, &hi);
+    return _mm256_add_epi32(lo, hi);
 }
 
 /* Lane r: vf_hsum of the 8 floats at v + 8r, the same tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
