@@ -668,7 +668,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
                 sx16[r * (K / 16) + b] = vf_hsum(vf_add(vf_add(vf_zero(), vf_load(xb)), vf_load(xb + 8)));
             }
     }
-    struct kq_job j = {xq, dx, sx, bias, sx16, w, y, M, K, N, ldw, ldy, qt, NULL};
+    struct kq_job j = {xq, dx, sx, bias, sx16, NULL, w, y, M, K, N, ldw, ldy, qt, NULL};
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
     int64_t cols = KG;
     uint8_t *xu = NULL;
@@ -679,13 +679,24 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         j.kept = kept;
         kept = NULL;
     }
+    int32_t *c16 = NULL;
     if (kept) {
         xu = (uint8_t *)malloc((size_t)(M * K * 2));
-        if (!xu) {
-            free(xq), free(dx), free(sx), free(sx16);
+        if (kc_off(qt)) c16 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * (K / 16)));
+        if (!xu || (kc_off(qt) && !c16)) {
+            free(xq), free(dx), free(sx), free(sx16), free(xu), free(c16);
             return KVQ_ENOMEM;
         }
         kvq_split_bytes(xq, M, K, kc_signed_hi(qt) ? 0 : 128, xu);
+        if (c16) { /* off * sum(x), or off * 256 * sum(hi) where lo meets q itself (kc_lo_stored) */
+            const int lo_u = kc_lo_stored(qt), off = kc_off(qt);
+            for (int64_t i = 0; i < M * (K / 16); i++) {
+                int32_t a = 0;
+                for (int e = 0; e < 16; e++) a += lo_u ? xq[16 * i + e] : 256 * (xq[16 * i + e] >> 8);
+                c16[i] = off * a;
+            }
+        }
+        j.c16 = c16;
         cols = KC;
     }
     const int64_t work = N * (K / QK_K * bb) * (M < 8 ? 1 : M / 8), groups = (N + cols - 1) / cols;
@@ -727,7 +738,7 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             }
         }
     }
-    free(xq), free(dx), free(sx), free(xu), free(sx16);
+    free(xq), free(dx), free(sx), free(xu), free(sx16), free(c16);
     return rc;
 }
 

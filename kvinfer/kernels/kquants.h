@@ -21,6 +21,7 @@ struct kq_job {
     const int16_t *xq;
     const float *dx, *sx, *bias;
     const float *sx16; /* Q2_K: the exact float sum of each 16 activations [M, K / 16] (else NULL) */
+    const int32_t *c16; /* Q6_K, Q3_K over a kept copy: what D takes back per 16 activations [M, K / 16] (kc_off) */
     const uint8_t *w;
     float *y;
     int64_t M, K, N, ldw, ldy;
@@ -37,8 +38,14 @@ struct kq_job {
 
 /* Q4_K and Q5_K quants are unsigned and below 32, so they can be vpdpbusd's unsigned operand against the signed hi
  * bytes: D = 256 * sum(hi q) + sum(lo q), the same int32 without S, whose dot products cost as much as hi's at one
- * row. Their activations come with hi as a signed byte (kvq_split_bytes without the + 128). */
-static inline int kc_signed_hi(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K; }
+ * row. Q6_K and Q3_K do the same with their stored, unsigned quants u = q + off (kc_off) and take off times the
+ * activations' sums back (kq_job.c16). Their activations come with hi as a signed byte (kvq_split_bytes without the
+ * + 128); IQ4_XS's table values are signed, so its hi bytes keep the + 128. */
+static inline int kc_signed_hi(int qt) { return qt != QT_IQ4_XS; }
+static inline int kc_off(int qt) { return qt == QT_Q6_K ? 32 : qt == QT_Q3_K ? 4 : 0; }
+/* Whether lo multiplies the stored u too (c16 then takes off * sum(x) back), or q = u - off (c16: off * 256 *
+ * sum(hi)): at avx2 vpmaddubsw's sums of two lo * u pairs would pass 2^15 for Q6_K's u < 64. */
+static inline int kc_lo_stored(int qt) { return KVQ_LEVEL >= 2 || qt == QT_Q3_K; }
 
 #if KVQ_LEVEL >= 1
 /* ---- kept copies (the avx2 and avx512 levels): the super-blocks of KC output columns laid out once ----
@@ -57,11 +64,11 @@ static inline int kc_signed_hi(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K; 
  *   32 rows (row 4j + k: qs[16j + 4k..]; low nibbles are sub-block j's values 4k.., high nibbles 16 + 4k..), then
  *   ls_j - 32 [j][column] (int8), the KC d as fp16 bits, padding.
  * That is the GGUF bytes' size (plus 1-3%), so a one-row decode reads no more. A 32-value block's 8 rows of quants
- * meet the activations' two bytes (hi + 128, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512
- * level; vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants), as qmatmul.c's
- * kept_rows does: with S the column's quant sum (Q6_K: of q - 32), D = 256 * (sum((hi + 128) q) - 128 S) +
- * sum(lo q), the exact int32 kq_cols computes, then its float operations in its order, one column per lane: the
- * same bits. */
+ * meet the activations' two bytes (hi, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512 level;
+ * vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants). IQ4_XS's hi comes + 128,
+ * as qmatmul.c's kept_rows has it: with S the column's sum of q, D = 256 * (sum((hi + 128) q) - 128 S) + sum(lo q).
+ * The others' hi is signed (kc_signed_hi). D is the exact int32 kq_cols computes, then its float operations in its
+ * order, one column per lane: the same bits. */
 #define KC_R (4 * KC) /* bytes per row of the copy */
 #if KVQ_LEVEL >= 2
 #define KC_MT 16 /* x rows per tile */

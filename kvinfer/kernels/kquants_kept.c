@@ -142,6 +142,7 @@ typedef __m512 kc_vf;
 #define kc_sub8 _mm512_sub_epi8
 #define kc_set1_8 _mm512_set1_epi8
 #define kc_set1f _mm512_set1_ps
+#define kc_set1i _mm512_set1_epi32
 #define kc_addi _mm512_add_epi32
 #define kc_subi _mm512_sub_epi32
 #define kc_slli32 _mm512_slli_epi32
@@ -192,6 +193,7 @@ typedef __m256 kc_vf;
 #define kc_sub8 _mm256_sub_epi8
 #define kc_set1_8 _mm256_set1_epi8
 #define kc_set1f _mm256_set1_ps
+#define kc_set1i _mm256_set1_epi32
 #define kc_addi _mm256_add_epi32
 #define kc_subi _mm256_sub_epi32
 #define kc_slli32 _mm256_slli_epi32
@@ -250,8 +252,9 @@ static inline __attribute__((always_inline)) kc_vi kc_block(const uint8_t *xr, c
 
 /* MT rows (xu, dx, sx at the first) against one group's copy gp; y at the group's first column. */
 static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
-                                                          int64_t nb, int64_t nsb, const uint8_t *gp, float *y,
-                                                          int64_t ldy, int g, const int qt, const int MT) {
+                                                          const int32_t *c16, int64_t nb, int64_t nsb,
+                                                          const uint8_t *gp, float *y, int64_t ldy, int g,
+                                                          const int qt, const int MT) {
     const int sbb = kc_sb_bytes(qt);
     const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), one = kc_set1_8(1);
     kc_vf acc[KC_MT];
@@ -261,32 +264,39 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
         const uint8_t *sb = gp + s * sbb;
         for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
         kc_vi W[8];
-        if (qt == QT_Q6_K || qt == QT_Q3_K) { /* 16-value sub-blocks of signed quants, no minimum */
-            const int q3 = qt == QT_Q3_K, sc = q3 ? KC3_SC : KC6_SC;
+        if (qt == QT_Q6_K || qt == QT_Q3_K) { /* 16-value sub-blocks of signed quants q = u - off, no minimum */
+            const int q3 = qt == QT_Q3_K, sc = q3 ? KC3_SC : KC6_SC, lo_u = kc_lo_stored(qt);
             const kc_vf vd = kc_half(sb + (q3 ? KC3_D : KC6_D));
-            const kc_vi offset = kc_set1_8(q3 ? 4 : 32);
-            for (int b8 = 0; b8 < 8; b8++) {
+            const kc_vi offset = kc_set1_8((char)kc_off(qt)), m30 = kc_set1_8(0x30), four = kc_set1_8(4);
+#pragma GCC unroll 8
+            for (int b8 = 0; b8 < 8; b8++) { /* unrolled: every shift below is by a constant */
                 const int h = b8 >> 2, t = b8 & 3;
+                kc_vi L[8];
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k++) {
-                    if (q3) { /* q = (2 bits of qs | the hmask bit << 2) - 4 */
+                    if (q3) { /* u = 2 bits of qs | the hmask bit << 2 */
                         const kc_vi lo = kc_loadi(sb + KC_R * (8 * h + k));
                         const kc_vi hb = kc_loadi(sb + 16 * KC_R + KC_R * k);
-                        W[k] = kc_or(kc_and(kc_srli16(lo, 2 * t), m3), kc_slli16(kc_and(kc_srli16(hb, b8), one), 2));
-                    } else { /* q = (4 bits of ql | 2 bits of qh << 4) - 32 */
+                        const kc_vi hm = b8 <= 2 ? kc_slli16(hb, 2 - b8) : kc_srli16(hb, b8 - 2);
+                        W[k] = kc_or(kc_and(t ? kc_srli16(lo, 2 * t) : lo, m3), kc_and(hm, four));
+                    } else { /* u = 4 bits of ql | 2 bits of qh << 4 */
                         const kc_vi lo = kc_loadi(sb + KC_R * (16 * h + 8 * (t & 1) + k));
                         const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * (8 * h + k));
-                        W[k] = kc_or(kc_and(kc_srli16(lo, 4 * (t >> 1)), m4), kc_slli16(kc_and(kc_srli16(hb, 2 * t), m3), 4));
+                        const kc_vi hm = t < 2 ? kc_slli16(hb, 4 - 2 * t) : t == 2 ? hb : kc_srli16(hb, 2);
+                        W[k] = kc_or(kc_and(t >= 2 ? kc_srli16(lo, 4) : lo, m4), kc_and(hm, m30));
                     }
-                    W[k] = kc_sub8(W[k], offset);
+                    L[k] = lo_u ? W[k] : kc_sub8(W[k], offset);
                 }
-                const kc_vi s0 = kc_slli32(kc_dot(kc_ones, W, 0, 4), 15), s1 = kc_slli32(kc_dot(kc_ones, W, 4, 4), 15);
                 const kc_vf ds0 = kc_mul(vd, kc_i8f(sb + sc + KC * (2 * b8)));
                 const kc_vf ds1 = kc_mul(vd, kc_i8f(sb + sc + KC * (2 * b8 + 1)));
 #pragma GCC unroll 8
                 for (int r = 0; r < MT; r++) {
-                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64;
-                    const kc_vi D0 = kc_block(xr, W, 0, 4, s0), D1 = kc_block(xr, W, 4, 4, s1);
+                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64; /* hi signed (kc_signed_hi) */
+                    const int32_t *c = c16 + r * 2 * nb + s * 16 + 2 * b8;
+                    const kc_vi D0 = kc_subi(kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 4), 8), kc_dot(xr + 32, L, 0, 4)),
+                                             kc_set1i(c[0]));
+                    const kc_vi D1 = kc_subi(kc_addi(kc_slli32(kc_dot_s(xr, W, 4, 4), 8), kc_dot(xr + 32, L, 4, 4)),
+                                             kc_set1i(c[1]));
                     const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
                     acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
                     acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
@@ -343,16 +353,16 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
     for (int r = 0; r < MT; r++) kc_store(y + r * ldy, acc[r], g);
 }
 
-typedef void (*kc_any)(const uint8_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
-                       int64_t, int, int);
+typedef void (*kc_any)(const uint8_t *, const float *, const float *, const int32_t *, int64_t, int64_t,
+                       const uint8_t *, float *, int64_t, int, int);
 #define KC_TILE(MT)                                                                                             \
-    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, int64_t nb, int64_t nsb,       \
-                            const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {                          \
-        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                            \
-        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                       \
-        else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                       \
-        else if (qt == QT_Q3_K) kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_Q3_K, MT);                       \
-        else kc_tile(xu, dx, sx, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                                        \
+    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, const int32_t *c16, int64_t nb, \
+                            int64_t nsb, const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {             \
+        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                       \
+        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                  \
+        else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                  \
+        else if (qt == QT_Q3_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q3_K, MT);                  \
+        else kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                                   \
     }
 KC_TILE(1)
 KC_TILE(2)
@@ -385,8 +395,8 @@ void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept
         const int g = n1 - n < KC ? (int)(n1 - n) : KC;
         for (int64_t r = 0; r < j->M; r += KC_MT) {
             const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
-            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, nb, nsb, kept + n / KC * gb,
-                        j->y + r * j->ldy + n, j->ldy, g, j->qt);
+            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, j->c16 ? j->c16 + r * 2 * nb : NULL, nb, nsb,
+                        kept + n / KC * gb, j->y + r * j->ldy + n, j->ldy, g, j->qt);
         }
         if (j->bias)
             for (int64_t r = 0; r < j->M; r++)
