@@ -256,7 +256,7 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
                                                           const uint8_t *gp, float *y, int64_t ldy, int g,
                                                           const int qt, const int MT) {
     const int sbb = kc_sb_bytes(qt);
-    const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), one = kc_set1_8(1);
+    const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), sixteen = kc_set1_8(16);
     kc_vf acc[KC_MT];
 #pragma GCC unroll 16
     for (int r = 0; r < MT; r++) acc[r] = kc_zerof();
@@ -328,14 +328,16 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
         }
         const int so = kc_so(qt);
         const kc_vf vd = kc_half(sb + so + 16 * KC), vmin = kc_half(sb + so + 18 * KC);
-        for (int j = 0; j < 8; j++) {
-            const int c = j >> 1, sh = 4 * (j & 1);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) { /* unrolled: every shift below is by a constant */
+            const int c = j >> 1;
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++) {
-                W[k] = kc_and(kc_srli16(kc_loadi(sb + KC_R * (8 * c + k)), sh), m4);
-                if (qt == QT_Q5_K) {
+                const kc_vi lo = kc_loadi(sb + KC_R * (8 * c + k));
+                W[k] = kc_and(j & 1 ? kc_srli16(lo, 4) : lo, m4);
+                if (qt == QT_Q5_K) { /* bit j of the high-bit byte, moved to bit 4 */
                     const kc_vi hb = kc_loadi(sb + 32 * KC_R + KC_R * k);
-                    W[k] = kc_or(W[k], kc_slli16(kc_and(kc_srli16(hb, j), one), 4));
+                    W[k] = kc_or(W[k], kc_and(j <= 4 ? kc_slli16(hb, 4 - j) : kc_srli16(hb, j - 4), sixteen));
                 }
             }
             const kc_vf vds = kc_mul(vd, kc_u8f(sb + so + KC * j));
