@@ -13,14 +13,15 @@ from .build import LEVELS
 from .kept import _DROP_CHUNK_BYTES, _DROPPABLE, KeptTiles, drop_pages
 
 
-_PACK_THREAD_BYTES = 32 << 20
+_PACK_THREAD_BYTES = 2 << 20
 
 
 def _pack_threads(nbytes: int) -> int:
     """Threads to pack a kept copy of about nbytes: one per _PACK_THREAD_BYTES at most. Packing writes fresh
-    pages and is bound by faulting them in; for a smaller weight, waking the OpenMP team and waiting for its slowest
-    thread costs more than the second thread saves, and much more when another process holds a core. The bytes are
-    the same whatever the count (each thread packs whole groups of columns)."""
+    pages and is bound by faulting them in; below a few MiB, waking the OpenMP team and waiting for its slowest
+    thread costs about what the second thread saves, and more when another process holds a core; from a 1B model's
+    layers (3-20 MiB a matrix) up, the second thread halves the packing (docs/BENCHMARKS.md). The bytes are the same
+    whatever the count (each thread packs whole groups of columns)."""
     return max(1, min(torch.get_num_threads(), nbytes // _PACK_THREAD_BYTES))
 
 
