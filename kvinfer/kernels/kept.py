@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 # Types whose kept copy holds every byte of the GGUF rows (kvq_kept_rows reads them back), so the rows themselves
 # need not stay resident; and the source bytes packed at a time when they are dropped (the peak above the copy: a
 # large weight's source pages are faulted in one run at a time, beside its whole copy).
-_DROPPABLE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+_DROPPABLE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                        "IQ4_XS"})
 _DROP_CHUNK_BYTES = 8 << 20
 _MADV_DONTNEED = 4
 

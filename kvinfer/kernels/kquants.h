@@ -63,6 +63,9 @@ static inline int kc_lo_stored(int qt) { return KVQ_LEVEL >= 2 || qt == QT_Q3_K;
  *   IQ4_XS (the avx512 level only: at avx2 its table's values would saturate vpmaddubsw's int16 pair sums): qs as
  *   32 rows (row 4j + k: qs[16j + 4k..]; low nibbles are sub-block j's values 4k.., high nibbles 16 + 4k..), then
  *   ls_j - 32 [j][column] (int8), the KC d as fp16 bits, padding.
+ *   Q2_K (the avx512 level only, as IQ4_XS): qs as 16 rows (row 8h + k: qs[32h + 4k..]; bits 2g.. of a byte are
+ *   sub-blocks 8h + 2g and 8h + 2g + 1's quants), the 16 scale bytes [t][column] as stored, then the KC d and the
+ *   KC dmin as fp16 bits.
  * That is the GGUF bytes' size (plus 1-3%), so a one-row decode reads no more. A 32-value block's 8 rows of quants
  * meet the activations' two bytes (hi, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512 level;
  * vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants). IQ4_XS's hi comes + 128,
@@ -86,6 +89,7 @@ static inline int kc_sb_bytes(int qt) {
     case QT_Q6_K: return (210 * KC + 63) / 64 * 64;
     case QT_Q3_K: return (114 * KC + 63) / 64 * 64;
     case QT_IQ4_XS: return kvq_type_kept(qt) ? (138 * KC + 63) / 64 * 64 : 0;
+    case QT_Q2_K: return kvq_type_kept(qt) ? (84 * KC + 63) / 64 * 64 : 0;
     default: return 0;
     }
 }
@@ -95,6 +99,8 @@ static inline int kc_sb_bytes(int qt) {
 #define KC3_D (24 * KC_R + 16 * KC) /* Q3_K: d */
 #define KI_LS (32 * KC_R)         /* IQ4_XS: ls_j - 32 */
 #define KI_D (32 * KC_R + 8 * KC) /* IQ4_XS: d */
+#define KC2_SC (16 * KC_R)         /* Q2_K: scale bytes as stored (sc | m << 4) */
+#define KC2_D (16 * KC_R + 16 * KC) /* Q2_K: d, then dmin */
 
 #endif
 

@@ -44,6 +44,14 @@ int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt
                 for (int u = 0; u < KC; u++) memcpy(o + KC6_D + 2 * u, b[u] + 208, 2);
                 continue;
             }
+            if (qt == QT_Q2_K) {
+                kc_rows(b, 16, 16, o); /* qs[0..64): rows 8h + k are bytes 32h + 4k */
+                for (int t = 0; t < 16; t++)
+                    for (int u = 0; u < KC; u++) o[KC2_SC + KC * t + u] = b[u][t];
+                for (int u = 0; u < KC; u++) /* d, dmin */
+                    memcpy(o + KC2_D + 2 * u, b[u] + 80, 2), memcpy(o + KC2_D + 2 * KC + 2 * u, b[u] + 82, 2);
+                continue;
+            }
             if (qt == QT_IQ4_XS) {
                 kc_rows(b, 8, 32, o);
                 for (int u = 0; u < KC; u++) {
@@ -103,6 +111,12 @@ int kvq_kq_kept_rows(const uint8_t *kept, int64_t N, int64_t K, int qt, const in
                 memcpy(o + 208, sb + KC6_D + 2 * u, 2);
                 continue;
             }
+            if (qt == QT_Q2_K) {
+                for (int r = 0; r < 16; r++) memcpy(o + 16 + 4 * r, sb + KC_R * r + 4 * u, 4);
+                for (int t = 0; t < 16; t++) o[t] = sb[KC2_SC + KC * t + u];
+                memcpy(o + 80, sb + KC2_D + 2 * u, 2), memcpy(o + 82, sb + KC2_D + 2 * KC + 2 * u, 2);
+                continue;
+            }
             if (qt == QT_IQ4_XS) { /* every bit of scales_h / scales_l comes back from ls_j */
                 for (int r = 0; r < 32; r++) memcpy(o + 8 + 4 * r, sb + KC_R * r + 4 * u, 4);
                 memcpy(o, sb + KI_D + 2 * u, 2);
@@ -155,6 +169,9 @@ typedef __m512 kc_vf;
 #define kc_half(p) _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(p)))
 #define kc_u8f(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p))))
 #define kc_i8f(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(p))))
+#define kc_u8i(p) _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p)))
+#define kc_set1i32 _mm512_set1_epi32
+#define kc_srli32 _mm512_srli_epi32
 /* 16 bytes at p in every 128-bit lane; bytes of a looked up in such a table, per 128-bit lane (vpshufb) */
 #define kc_bcast16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define kc_lookup8(tbl, a) _mm512_shuffle_epi8(tbl, a)
@@ -205,6 +222,9 @@ typedef __m256 kc_vf;
 #define kc_half(p) _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(p)))
 #define kc_u8f(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define kc_i8f(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define kc_u8i(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define kc_set1i32 _mm256_set1_epi32
+#define kc_srli32 _mm256_srli_epi32
 #define kc_bcast16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define kc_lookup8(tbl, a) _mm256_shuffle_epi8(tbl, a)
 
@@ -250,11 +270,11 @@ static inline __attribute__((always_inline)) kc_vi kc_block(const uint8_t *xr, c
     return kc_addi(kc_subi(kc_slli32(kc_dot(xr, W, k0, n), 8), s15), kc_dot(xr + 32, W, k0, n));
 }
 
-/* MT rows (xu, dx, sx at the first) against one group's copy gp; y at the group's first column. */
+/* MT rows (xu, dx, sx, sx16, c16 at the first) against one group's copy gp; y at the group's first column. */
 static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
-                                                          const int32_t *c16, int64_t nb, int64_t nsb,
-                                                          const uint8_t *gp, float *y, int64_t ldy, int g,
-                                                          const int qt, const int MT) {
+                                                          const float *sx16, const int32_t *c16, int64_t nb,
+                                                          int64_t nsb, const uint8_t *gp, float *y, int64_t ldy,
+                                                          int g, const int qt, const int MT) {
     const int sbb = kc_sb_bytes(qt);
     const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), sixteen = kc_set1_8(16);
     kc_vf acc[KC_MT];
@@ -300,6 +320,36 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
                     const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
                     acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
                     acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
+                }
+            }
+            continue;
+        }
+        if (qt == QT_Q2_K) { /* 16-value sub-blocks of 2-bit quants (unsigned), minus dmin * m_t * (the 16 activations'
+                              * exact float sum); only reached at the avx512 level, the one that keeps Q2_K */
+            const kc_vf vd = kc_half(sb + KC2_D), vmin = kc_half(sb + KC2_D + 2 * KC);
+            const kc_vi low4 = kc_set1i32(15);
+#pragma GCC unroll 8
+            for (int b8 = 0; b8 < 8; b8++) { /* unrolled: every shift below is by a constant */
+                const int h = b8 >> 2, g4 = b8 & 3;
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const kc_vi v = kc_loadi(sb + KC_R * (8 * h + k));
+                    W[k] = kc_and(g4 ? kc_srli16(v, 2 * g4) : v, m3);
+                }
+                const kc_vi sm0 = kc_u8i(sb + KC2_SC + KC * (2 * b8)), sm1 = kc_u8i(sb + KC2_SC + KC * (2 * b8 + 1));
+                const kc_vf ds0 = kc_mul(vd, kc_cvt(kc_and(sm0, low4))), dm0 = kc_mul(vmin, kc_cvt(kc_srli32(sm0, 4)));
+                const kc_vf ds1 = kc_mul(vd, kc_cvt(kc_and(sm1, low4))), dm1 = kc_mul(vmin, kc_cvt(kc_srli32(sm1, 4)));
+#pragma GCC unroll 8
+                for (int r = 0; r < MT; r++) {
+                    const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64; /* hi signed (kc_signed_hi) */
+                    const float *x16 = sx16 + r * 2 * nb + s * 16 + 2 * b8;
+                    const kc_vi D0 = kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 4), 8), kc_dot(xr + 32, W, 0, 4));
+                    const kc_vi D1 = kc_addi(kc_slli32(kc_dot_s(xr, W, 4, 4), 8), kc_dot(xr + 32, W, 4, 4));
+                    const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
+                    acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
+                    acc[r] = kc_fnma(dm0, kc_set1f(x16[0]), acc[r]);
+                    acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
+                    acc[r] = kc_fnma(dm1, kc_set1f(x16[1]), acc[r]);
                 }
             }
             continue;
@@ -355,16 +405,18 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
     for (int r = 0; r < MT; r++) kc_store(y + r * ldy, acc[r], g);
 }
 
-typedef void (*kc_any)(const uint8_t *, const float *, const float *, const int32_t *, int64_t, int64_t,
-                       const uint8_t *, float *, int64_t, int, int);
-#define KC_TILE(MT)                                                                                             \
-    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, const int32_t *c16, int64_t nb, \
-                            int64_t nsb, const uint8_t *gp, float *y, int64_t ldy, int g, int qt) {             \
-        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);                       \
-        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);                  \
-        else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);                  \
-        else if (qt == QT_Q3_K) kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_Q3_K, MT);                  \
-        else kc_tile(xu, dx, sx, c16, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                                   \
+typedef void (*kc_any)(const uint8_t *, const float *, const float *, const float *, const int32_t *, int64_t,
+                       int64_t, const uint8_t *, float *, int64_t, int, int);
+#define KC_TILE(MT)                                                                                   \
+    static void kc_tile##MT(const uint8_t *xu, const float *dx, const float *sx, const float *sx16,   \
+                            const int32_t *c16, int64_t nb, int64_t nsb, const uint8_t *gp, float *y, \
+                            int64_t ldy, int g, int qt) {                                             \
+        if (qt == QT_Q4_K) kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_Q4_K, MT);       \
+        else if (qt == QT_Q5_K) kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_Q5_K, MT);  \
+        else if (qt == QT_Q6_K) kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_Q6_K, MT);  \
+        else if (qt == QT_Q3_K) kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_Q3_K, MT);  \
+        else if (qt == QT_Q2_K) kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_Q2_K, MT);  \
+        else kc_tile(xu, dx, sx, sx16, c16, nb, nsb, gp, y, ldy, g, QT_IQ4_XS, MT);                   \
     }
 KC_TILE(1)
 KC_TILE(2)
@@ -397,8 +449,9 @@ void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept
         const int g = n1 - n < KC ? (int)(n1 - n) : KC;
         for (int64_t r = 0; r < j->M; r += KC_MT) {
             const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
-            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, j->c16 ? j->c16 + r * 2 * nb : NULL, nb, nsb,
-                        kept + n / KC * gb, j->y + r * j->ldy + n, j->ldy, g, j->qt);
+            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, j->sx16 ? j->sx16 + r * 2 * nb : NULL,
+                        j->c16 ? j->c16 + r * 2 * nb : NULL, nb, nsb, kept + n / KC * gb, j->y + r * j->ldy + n,
+                        j->ldy, g, j->qt);
         }
         if (j->bias)
             for (int64_t r = 0; r < j->M; r++)
