@@ -262,6 +262,10 @@ static void kc_tr8_rows(const uint8_t *rows, uint8_t *dst, int ld) {
 
 static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch) {
     const int bb = kq_block_bytes(qt);
+    if (qt == QT_Q2_K) {
+        for (int h = 0; h < 2; h++) kc_tr8_rows(sb + KC_R * 8 * h, scratch + 16 + 32 * h, bb); /* qs */
+        return;
+    }
     if (qt == QT_Q3_K) {
         kc_tr8_rows(sb + 16 * KC_R, scratch, bb);                                               /* hmask */
         for (int h = 0; h < 2; h++) kc_tr8_rows(sb + KC_R * 8 * h, scratch + 32 + 32 * h, bb); /* qs */
@@ -278,6 +282,16 @@ static void kc_gguf8(const uint8_t *sb, int qt, uint8_t *scratch) {
 }
 
 static void kc_scales8(const uint8_t *sb, int qt, float ds[][KG], float dm[][KG]) {
+    if (qt == QT_Q2_K) { /* the scale bytes as stored: sc_t | m_t << 4 */
+        const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + KC2_D)));
+        const __m256 vm = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + KC2_D + 2 * KC)));
+        for (int t = 0; t < 16; t++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + KC2_SC + KC * t)));
+            _mm256_storeu_ps(ds[t], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))));
+            _mm256_storeu_ps(dm[t], _mm256_mul_ps(vm, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))));
+        }
+        return;
+    }
     if (kq_sub16(qt)) {
         const int sc = qt == QT_Q3_K ? KC3_SC : KC6_SC, d = qt == QT_Q3_K ? KC3_D : KC6_D;
         const __m256 vd = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(sb + d)));
@@ -570,7 +584,7 @@ static inline __attribute__((always_inline)) void kq_cols(const struct kq_job *j
                 else kq_iq4xs_rows(j, rows, s, 1, ds, acc);
                 continue;
             }
-            if (qt == QT_Q2_K) {
+            if (qt == QT_Q2_K && !j->kept) {
                 kq_scales8(rows, s * kq_block_bytes(qt), qt, ds, dm);
                 if (M == 2) kq_q2k_rows(j, rows, s, 2, ds, dm, acc);
                 else kq_q2k_rows(j, rows, s, 1, ds, dm, acc);

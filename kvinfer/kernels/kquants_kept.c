@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
             continue;
         }
         if (qt == QT_Q2_K) { /* 16-value sub-blocks of 2-bit quants (unsigned), minus dmin * m_t * (the 16 activations'
-                              * exact float sum); only reached at the avx512 level, the one that keeps Q2_K */
+                              * exact float sum) */
             const kc_vf vd = kc_half(sb + KC2_D), vmin = kc_half(sb + KC2_D + 2 * KC);
             const kc_vi low4 = kc_set1i32(15);
 #pragma GCC unroll 8

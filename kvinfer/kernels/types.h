@@ -18,9 +18,8 @@ struct kvq_type {
     int32_t kept_levels; /* KVQ_KEPT_AT bits */
 };
 
-/* IQ4_XS has no avx2 copy: its table's values would saturate vpmaddubsw's int16 pair sums (kquants.h). Q2_K has
- * none at avx2 either: its few-row route reads the GGUF rows there. The 32-weight types are kept in the AMX tiles'
- * layout, at the avx512 level only. */
+/* IQ4_XS has no avx2 copy: its table's values would saturate vpmaddubsw's int16 pair sums (kquants.h). The
+ * 32-weight types are kept in the AMX tiles' layout, at the avx512 level only. */
 #define KVQ_NTYPES 31
 static const struct kvq_type KVQ_TYPES[KVQ_NTYPES] = {
     [QT_F32] = {"F32", 1, 4, 0},
@@ -30,7 +29,7 @@ static const struct kvq_type KVQ_TYPES[KVQ_NTYPES] = {
     [QT_Q5_0] = {"Q5_0", 32, 22, KVQ_KEPT_AT(2)},
     [QT_Q5_1] = {"Q5_1", 32, 24, KVQ_KEPT_AT(2)},
     [QT_Q8_0] = {"Q8_0", 32, 34, KVQ_KEPT_AT(2)},
-    [QT_Q2_K] = {"Q2_K", QK_K, 84, KVQ_KEPT_AT(2)},
+    [QT_Q2_K] = {"Q2_K", QK_K, 84, KVQ_KEPT_VNNI},
     [QT_Q3_K] = {"Q3_K", QK_K, 110, KVQ_KEPT_VNNI},
     [QT_Q4_K] = {"Q4_K", QK_K, 144, KVQ_KEPT_VNNI},
     [QT_Q5_K] = {"Q5_K", QK_K, 176, KVQ_KEPT_VNNI},

@@ -85,7 +85,7 @@ def test_kept_support_matches_what_the_level_packs():
         if level == "generic":
             assert kept == set()
         elif level == "avx2":
-            assert kept == {"Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+            assert kept == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
         else:
             assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                             "IQ4_XS"}

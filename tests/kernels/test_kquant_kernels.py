@@ -13,7 +13,7 @@ from kvinfer.layers.quant_linear import QuantLinear
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
 SBTYPES = KTYPES + ("IQ4_XS", "Q3_K", "Q2_K")  # every 256-weight super-block type kquants.c reads
-KEPT_AT = {"avx2": KTYPES + ("Q3_K",), "avx512": KTYPES + ("Q3_K", "IQ4_XS", "Q2_K")}  # the types with a kept copy, per level
+KEPT_AT = {"avx2": KTYPES + ("Q3_K", "Q2_K"), "avx512": KTYPES + ("Q3_K", "IQ4_XS", "Q2_K")}  # the types with a kept copy, per level
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
@@ -189,7 +189,7 @@ def test_the_kept_copy_gives_the_same_bits_as_the_gguf_rows(qtype, level):
     # columns, a bias, an all-zero row
     if level not in KEPT_LEVELS:
         pytest.skip(f"this CPU cannot run the {level} level")
-    if qtype not in KEPT_AT[level]:  # at avx2: IQ4_XS (T's values would saturate vpmaddubsw) and Q2_K
+    if qtype not in KEPT_AT[level]:  # IQ4_XS at avx2: T's values would saturate vpmaddubsw
         assert kernels.library(level).keep_tiles(torch.from_numpy(make_raw(qtype, 16, 256)), 16, 256, qtype) is None
         return
     lib = kernels.library(level)
@@ -242,7 +242,7 @@ def test_a_dropped_source_is_served_from_the_copy_and_restored_byte_for_byte(qty
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(42))
     ids = torch.tensor([0, 199, 17, 17, 64])
     y, rows = lib.matmul(x, raw, qtype), lib.embed_rows(raw, qtype, ids, k)
-    if not kept_here:  # no copy at this level (IQ4_XS, Q2_K and the 32-weight types at avx2): nothing dropped
+    if not kept_here:  # no copy at this level (IQ4_XS and the 32-weight types at avx2): nothing dropped
         assert lib.keep_tiles(raw, n, k, qtype, drop_source=True) is None
         assert torch.equal(raw, torch.from_numpy(np.ascontiguousarray(raw_np)))
         assert torch.equal(lib.matmul(x, raw, qtype), y)
