@@ -63,9 +63,8 @@ static inline int kc_lo_stored(int qt) { return KVQ_LEVEL >= 2 || qt == QT_Q3_K;
  *   IQ4_XS (the avx512 level only: at avx2 its table's values would saturate vpmaddubsw's int16 pair sums): qs as
  *   32 rows (row 4j + k: qs[16j + 4k..]; low nibbles are sub-block j's values 4k.., high nibbles 16 + 4k..), then
  *   ls_j - 32 [j][column] (int8), the KC d as fp16 bits, padding.
- *   Q2_K: qs as 16 rows (row 8h + k: qs[32h + 4k..]; bits 2g.. of a byte are
- *   sub-blocks 8h + 2g and 8h + 2g + 1's quants), the 16 scale bytes [t][column] as stored, then the KC d and the
- *   KC dmin as fp16 bits.
+ *   Q2_K: qs as 16 rows (row 8h + k: qs[32h + 4k..]; bits 2g.. of a byte are sub-blocks 8h + 2g and 8h + 2g + 1's
+ *   quants), the 16 scale bytes [t][column] as stored, then the KC d and the KC dmin as fp16 bits.
  * That is the GGUF bytes' size (plus 0-5%), so a one-row decode reads no more. A 32-value block's 8 rows of quants
  * meet the activations' two bytes (hi, lo; kvq_split_bytes) in byte dot products (vpdpbusd at the avx512 level;
  * vpmaddubsw + vpmaddwd at avx2, whose int16 pair sums stay below 2^15 for these quants). IQ4_XS's hi comes + 128,

@@ -170,7 +170,6 @@ typedef __m512 kc_vf;
 #define kc_u8f(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p))))
 #define kc_i8f(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(p))))
 #define kc_u8i(p) _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(p)))
-#define kc_set1i32 _mm512_set1_epi32
 #define kc_srli32 _mm512_srli_epi32
 /* 16 bytes at p in every 128-bit lane; bytes of a looked up in such a table, per 128-bit lane (vpshufb) */
 #define kc_bcast16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
@@ -223,7 +222,6 @@ typedef __m256 kc_vf;
 #define kc_u8f(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define kc_i8f(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define kc_u8i(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define kc_set1i32 _mm256_set1_epi32
 #define kc_srli32 _mm256_srli_epi32
 #define kc_bcast16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define kc_lookup8(tbl, a) _mm256_shuffle_epi8(tbl, a)
@@ -327,7 +325,7 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
         if (qt == QT_Q2_K) { /* 16-value sub-blocks of 2-bit quants (unsigned), minus dmin * m_t * (the 16 activations'
                               * exact float sum) */
             const kc_vf vd = kc_half(sb + KC2_D), vmin = kc_half(sb + KC2_D + 2 * KC);
-            const kc_vi low4 = kc_set1i32(15);
+            const kc_vi low4 = kc_set1i(15);
 #pragma GCC unroll 8
             for (int b8 = 0; b8 < 8; b8++) { /* unrolled: every shift below is by a constant */
                 const int h = b8 >> 2, g4 = b8 & 3;
