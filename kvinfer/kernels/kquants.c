@@ -510,7 +510,7 @@ static inline __attribute__((always_inline)) void kq_iq4xs_rows(const struct kq_
     for (int i = 0; i < R; i++) vf_store(acc + i * KG, a[i]);
 }
 
-/* Q2_K below KQ_PAIR_FROM rows (it has no kept copy): as kq_iq4xs_rows. A group of 32 values (sub-blocks 2g and
+/* Q2_K below KQ_PAIR_FROM rows without a kept copy (KVINFER_AMX_KEEP=0): as kq_iq4xs_rows. A group of 32 values (sub-blocks 2g and
  * 2g + 1) is 2 bits of 32 quant bytes, so one load serves four groups, a shift and a mask give a group's values as
  * bytes (low half of the register: sub-block 2g, high half: 2g + 1), and a mask or a shift widens the even- and the
  * odd-placed ones to int16. The 8 columns' sums are then reduced per half: D of both sub-blocks. */

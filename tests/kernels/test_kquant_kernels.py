@@ -13,7 +13,8 @@ from kvinfer.layers.quant_linear import QuantLinear
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
 SBTYPES = KTYPES + ("IQ4_XS", "Q3_K", "Q2_K")  # every 256-weight super-block type kquants.c reads
-KEPT_AT = {"avx2": KTYPES + ("Q3_K", "Q2_K"), "avx512": KTYPES + ("Q3_K", "IQ4_XS", "Q2_K")}  # the types with a kept copy, per level
+# the types with a kept copy, per level
+KEPT_AT = {"avx2": KTYPES + ("Q3_K", "Q2_K"), "avx512": KTYPES + ("Q3_K", "IQ4_XS", "Q2_K")}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
