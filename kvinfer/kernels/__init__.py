@@ -18,9 +18,9 @@ import torch  # noqa: F401
 
 from .abi import (FLOAT_TYPES, KV_DTYPES, KV_SCALED, KV_STORAGE, MAX_PARTS, QTYPES, AttnJob, DecodeExpert, DecodeJob,
                   DecodeLayer, DecodePart, Sampling)
-from .active import (PreparedMatmul, _reset, active, attention, available, decode_step, decode_steps, describe,
-                     embed_rows, gelu, layer_norm, level, library, library_path, load, matmul, moe_route, rms_norm,
-                     rope_pair_, sample_row, silu_mul, unavailable_reason)
+from .active import (PreparedMatmul, _reset, activation_bits, active, attention, available, decode_step, decode_steps,
+                     describe, embed_rows, gelu, layer_norm, level, library, library_path, load, matmul, moe_route,
+                     rms_norm, rope_pair_, sample_row, set_activation_bits, silu_mul, unavailable_reason)
 from .build import CC, DISPATCH_SOURCE, HEADERS, LEVEL_FLAGS, LEVELS, SOURCES, build
 from .kept import KeptTiles
 from .levels import batch_invariant, best_level, cpu_features, drop_source_enabled, keep_tiles_enabled
@@ -29,4 +29,5 @@ from .ops import Kernels, role_runs
 __all__ = ["LEVELS", "QTYPES", "available", "unavailable_reason", "level", "cpu_features", "library", "Kernels",
            "batch_invariant", "matmul", "PreparedMatmul", "attention", "embed_rows", "rms_norm", "layer_norm",
            "silu_mul", "moe_route", "gelu", "rope_pair_", "decode_step", "decode_steps", "sample_row", "DecodeLayer",
-           "DecodeExpert", "DecodeJob", "Sampling", "library_path", "build", "load", "describe"]
+           "DecodeExpert", "DecodeJob", "Sampling", "library_path", "build", "load", "describe", "activation_bits",
+           "set_activation_bits"]

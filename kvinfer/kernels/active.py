@@ -20,6 +20,7 @@ _active: Optional[Kernels] = None
 _reason: Optional[str] = None
 _tried = False
 _loaded: dict[str, Kernels] = {}
+_activation_bits = 16  # set_activation_bits: every loaded library and those loaded later
 
 
 def library(level_name: str) -> Kernels:
@@ -34,8 +35,28 @@ def library(level_name: str) -> Kernels:
         lib = _loaded[level_name] = Kernels(level_name, build(flags=LEVEL_FLAGS[level_name]))
         # (the library's switch is process-wide, so it is set either way: a reload may find it on)
         lib.set_amx(level_name == "avx512" and levels.cpu_features()["amx_granted"] and levels.amx_wanted())
+        lib.set_activation_bits(_activation_bits)
         lib.set_prompt_route(lib.amx and levels.prompt_route_wanted())
     return lib
+
+
+def activation_bits() -> int:
+    """The bits activations are rounded to where they meet quantised weights: 16 (default) or 8."""
+    return _activation_bits
+
+
+def set_activation_bits(bits: int) -> None:
+    """16 or 8, for every level's library in this process (each is process-wide state of its library), so that
+    every route and level keeps giving the same bits. 8: llama.cpp's precision; the K-quant byte routes then skip
+    half their products (docs/KQUANTS.md)."""
+    global _activation_bits
+    if bits not in (8, 16):
+        raise ValueError(f"activation bits must be 16 or 8, not {bits!r}")
+    with _lock:
+        _activation_bits = bits
+        for lib in _loaded.values():
+            lib.set_activation_bits(bits)
+            lib.set_prompt_route(lib.amx and levels.prompt_route_wanted())
 
 
 def _init() -> None:
@@ -92,8 +113,8 @@ def describe() -> str:
         tiles += f", AMX tiles from {_active.amx_min_rows} rows"
     if _active.prompt_route and levels.keep_tiles_enabled():
         tiles += ", prompt rows' matmuls and attention on AMX bfloat16 tiles"
-    return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int16-rounded activations x GGML blocks"
-            f"{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
+    return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int{_activation_bits}-rounded activations x "
+            f"GGML blocks{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 
 
 def load(flags: Optional[list[str]] = None, cc: Optional[str] = None) -> ctypes.CDLL:
@@ -105,10 +126,11 @@ def load(flags: Optional[list[str]] = None, cc: Optional[str] = None) -> ctypes.
 
 def _reset() -> None:
     """Forget the loaded state so the next call builds and probes again (tests)."""
-    global _active, _reason, _tried
+    global _active, _reason, _tried, _activation_bits
     with _lock:
         _active = _reason = None
         _tried = False
+        _activation_bits = 16
         levels._forget()
         _loaded.clear()
 

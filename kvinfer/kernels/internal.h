@@ -3,4 +3,5 @@
 #ifndef KVINFER_INTERNAL_H
 #define KVINFER_INTERNAL_H
 #define KVQ_HIDDEN __attribute__((visibility("hidden")))
+extern KVQ_HIDDEN int kvqi_act8; /* activations rounded to 8 bits, their lo bytes zero (kvq_activation_bits) */
 #endif

@@ -29,6 +29,9 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
                   int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads);
 int kvq_kq_embed_rows(const uint8_t *w, int64_t ldw, int qt, const int64_t *ids, int64_t n, int64_t K, float *out);
 void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx);
+/* The bits activations are rounded to where they meet quantised weights: 16 (default) or 8; any other value
+ * changes nothing. Returns the bits in use (process-wide, for every route of this library). */
+int kvq_activation_bits(int bits);
 /* The kept copies of K-quant weights, laid out once for byte dot products (kquants_kept.c; kvq_amx_tiles_bytes /
  * pack hand them over, 0 bytes / KVQ_EBADTYPE at the generic level), and the activations' two bytes per int16
  * (hi + 128, lo; 64 bytes per block of 32). */

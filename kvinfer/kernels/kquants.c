@@ -688,8 +688,9 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     uint8_t *xu = NULL;
     if (KC_OWN_ROWS < 0 || !kvq_type_kept(qt)) kept = NULL; /* (no kept layout at this level, or for this type) */
     /* avx2: byte products cost more per row than the int16 route's, which wins from a few rows on; it reads the
-     * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. */
-    if (kept && M > KC_OWN_ROWS) {
+     * copy too (the GGUF rows may be gone), unpacked per call as it unpacks the rows. At 8 activation bits the
+     * byte route skips the lo products and wins at every row count. */
+    if (kept && M > KC_OWN_ROWS && !kvqi_act8) {
         j.kept = kept;
         kept = NULL;
     }

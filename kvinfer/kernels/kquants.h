@@ -75,7 +75,7 @@ static inline int kc_lo_stored(int qt) { return KVQ_LEVEL >= 2 || qt == QT_Q3_K;
 #if KVQ_LEVEL >= 2
 #define KC_MT 16 /* x rows per tile */
 #else
-#define KC_MT 2 /* (it runs up to KC_ROUTE_ROWS rows) */
+#define KC_MT 4 /* (up to KC_ROUTE_ROWS rows at 16 activation bits; every row at 8) */
 #endif
 #define KC_AHEAD 4 /* super-blocks of the copy asked for ahead of the one multiplied */
 
@@ -103,9 +103,9 @@ static inline int kc_sb_bytes(int qt) {
 
 #endif
 
-/* This level's kept-copy routes, in one place: up to KC_OWN_ROWS rows the copy's own route (kvqi_kc_cols, byte
- * products) runs; above them (avx2) kq_cols reads the copy (kquants.c: kc_pairs8, or kc_gguf8 back to GGUF
- * bytes). The generic level keeps no copy (KC_OWN_ROWS < 0: a copy passed is not read). */
+/* This level's kept-copy routes, in one place: up to KC_OWN_ROWS rows (every row at 8 activation bits) the copy's
+ * own route (kvqi_kc_cols, byte products) runs; above them (avx2) kq_cols reads the copy (kquants.c: kc_pairs8, or
+ * kc_gguf8 back to GGUF bytes). The generic level keeps no copy (KC_OWN_ROWS < 0: a copy passed is not read). */
 #if KVQ_LEVEL >= 2
 #define KC_OWN_ROWS INT64_MAX
 #elif KVQ_LEVEL == 1

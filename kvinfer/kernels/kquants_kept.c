@@ -262,18 +262,12 @@ static inline void kc_store(float *y, kc_vf v, int g) {
 static const uint8_t kc_ones[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
-/* D of one block of 32 (or of rows k0..k0 + n of it): hi bytes at xr, lo bytes at xr + 32; s15 = S << 15. */
-static inline __attribute__((always_inline)) kc_vi kc_block(const uint8_t *xr, const kc_vi *W, int k0, int n,
-                                                           kc_vi s15) {
-    return kc_addi(kc_subi(kc_slli32(kc_dot(xr, W, k0, n), 8), s15), kc_dot(xr + 32, W, k0, n));
-}
-
 /* MT rows (xu, dx, sx, sx16, c16 at the first) against one group's copy gp; y at the group's first column. */
 static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, const float *dx, const float *sx,
                                                           const float *sx16, const int32_t *c16, int64_t nb,
                                                           int64_t nsb, const uint8_t *gp, float *y, int64_t ldy,
                                                           int g, const int qt, const int MT) {
-    const int sbb = kc_sb_bytes(qt);
+    const int sbb = kc_sb_bytes(qt), l8 = kvqi_act8; /* l8: the lo bytes are zero, their products skipped */
     const kc_vi m4 = kc_set1_8(15), m3 = kc_set1_8(3), sixteen = kc_set1_8(16);
     kc_vf acc[KC_MT];
 #pragma GCC unroll 16
@@ -311,10 +305,9 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
                 for (int r = 0; r < MT; r++) {
                     const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64; /* hi signed (kc_signed_hi) */
                     const int32_t *c = c16 + r * 2 * nb + s * 16 + 2 * b8;
-                    const kc_vi D0 = kc_subi(kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 4), 8), kc_dot(xr + 32, L, 0, 4)),
-                                             kc_set1i(c[0]));
-                    const kc_vi D1 = kc_subi(kc_addi(kc_slli32(kc_dot_s(xr, W, 4, 4), 8), kc_dot(xr + 32, L, 4, 4)),
-                                             kc_set1i(c[1]));
+                    kc_vi D0 = kc_subi(kc_slli32(kc_dot_s(xr, W, 0, 4), 8), kc_set1i(c[0]));
+                    kc_vi D1 = kc_subi(kc_slli32(kc_dot_s(xr, W, 4, 4), 8), kc_set1i(c[1]));
+                    if (!l8) D0 = kc_addi(D0, kc_dot(xr + 32, L, 0, 4)), D1 = kc_addi(D1, kc_dot(xr + 32, L, 4, 4));
                     const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
                     acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
                     acc[r] = kc_fma(kc_cvt(D1), kc_mul(ds1, vdx), acc[r]);
@@ -341,8 +334,8 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
                 for (int r = 0; r < MT; r++) {
                     const uint8_t *xr = xu + (r * nb + s * 8 + b8) * 64; /* hi signed (kc_signed_hi) */
                     const float *x16 = sx16 + r * 2 * nb + s * 16 + 2 * b8;
-                    const kc_vi D0 = kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 4), 8), kc_dot(xr + 32, W, 0, 4));
-                    const kc_vi D1 = kc_addi(kc_slli32(kc_dot_s(xr, W, 4, 4), 8), kc_dot(xr + 32, W, 4, 4));
+                    kc_vi D0 = kc_slli32(kc_dot_s(xr, W, 0, 4), 8), D1 = kc_slli32(kc_dot_s(xr, W, 4, 4), 8);
+                    if (!l8) D0 = kc_addi(D0, kc_dot(xr + 32, W, 0, 4)), D1 = kc_addi(D1, kc_dot(xr + 32, W, 4, 4));
                     const kc_vf vdx = kc_set1f(dx[r * nb + s * 8 + b8]);
                     acc[r] = kc_fma(kc_cvt(D0), kc_mul(ds0, vdx), acc[r]);
                     acc[r] = kc_fnma(dm0, kc_set1f(x16[0]), acc[r]);
@@ -368,7 +361,8 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
 #pragma GCC unroll 8
                 for (int r = 0; r < MT; r++) {
                     const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64;
-                    const kc_vi D = kc_block(xr, W, 0, 8, s15);
+                    kc_vi D = kc_subi(kc_slli32(kc_dot(xr, W, 0, 8), 8), s15);
+                    if (!l8) D = kc_addi(D, kc_dot(xr + 32, W, 0, 8));
                     acc[r] = kc_fma(kc_cvt(D), kc_mul(vds, kc_set1f(dx[r * nb + s * 8 + j])), acc[r]);
                 }
             }
@@ -393,7 +387,8 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
 #pragma GCC unroll 8
             for (int r = 0; r < MT; r++) {
                 const uint8_t *xr = xu + (r * nb + s * 8 + j) * 64; /* hi signed here (kc_signed_hi) */
-                const kc_vi D = kc_addi(kc_slli32(kc_dot_s(xr, W, 0, 8), 8), kc_dot(xr + 32, W, 0, 8));
+                kc_vi D = kc_slli32(kc_dot_s(xr, W, 0, 8), 8);
+                if (!l8) D = kc_addi(D, kc_dot(xr + 32, W, 0, 8));
                 acc[r] = kc_fma(kc_cvt(D), kc_mul(vds, kc_set1f(dx[r * nb + s * 8 + j])), acc[r]);
                 acc[r] = kc_fnma(vdm, kc_set1f(sx[r * nb + s * 8 + j]), acc[r]);
             }
@@ -437,7 +432,9 @@ static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, k
                                            kc_tile7, kc_tile8, kc_tile9, kc_tile10, kc_tile11, kc_tile12,
                                            kc_tile13, kc_tile14, kc_tile15, kc_tile16};
 #else
-static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2};
+KC_TILE(3)
+KC_TILE(4)
+static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4};
 #endif
 
 /* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy; then the bias, one add. */

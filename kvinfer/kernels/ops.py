@@ -78,11 +78,26 @@ class Kernels:
         return self.amx
 
     def set_prompt_route(self, on: bool) -> bool:
-        """Prompt rows (matmul_prompt) on AMX bfloat16 tiles: needs the tiles on (set_amx) and a CPU with AMX-BF16
-        and AVX512_BF16. Returns whether the route is now on."""
-        self._want_prompt_route = bool(on)
+        """Prompt rows (matmul_prompt) on AMX bfloat16 tiles: needs the tiles on (set_amx), a CPU with AMX-BF16
+        and AVX512_BF16, and 16 activation bits. Returns whether the route is now on."""
+        self._want_prompt_route = bool(on) and self.activation_bits == 16
         self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(bool(on))))
         return self.prompt_route
+
+    @property
+    def activation_bits(self) -> int:
+        """The bits activations are rounded to where they meet quantised weights (16 or 8; process-wide)."""
+        return int(self.lib.kvq_activation_bits(0))
+
+    def set_activation_bits(self, bits: int) -> int:
+        """Round activations to 16 bits (default) or 8 where they meet quantised weights; returns the bits now
+        in use. AMX bfloat16 prompt rows (set_prompt_route) do not round them, so they stay off at 8."""
+        if bits not in (8, 16):
+            raise ValueError(f"activation bits must be 16 or 8, not {bits!r}")
+        got = int(self.lib.kvq_activation_bits(int(bits)))
+        if got == 8 and self.prompt_route:
+            self.set_prompt_route(False)
+        return got
 
     @property
     def keeps_tiles(self) -> bool:

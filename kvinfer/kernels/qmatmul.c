@@ -33,7 +33,17 @@
  */
 #include "matmul.h"
 
-/* Row r: xq int16 [nb * 32], dx its block scales, sx its exact float block sums. */
+int kvqi_act8;
+
+int kvq_activation_bits(int bits) {
+    if (bits == 8 || bits == 16) kvqi_act8 = bits == 8;
+    return kvqi_act8 ? 8 : 16;
+}
+
+/* Row r: xq int16 [nb * 32], dx its block scales, sx its exact float block sums. At 8 activation bits a block is
+ * rounded to q in [-127, 127] (scale amax / 127, as llama.cpp's Q8_0) and stored as xq = 256 q, dx = amax / 127 /
+ * 256: every route then reads the same int16 (their lo bytes are zero) and gives the same bits, and the byte routes
+ * skip the lo products. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_t *xq, float *dx, float *sx) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; r++)
@@ -46,8 +56,15 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
                 mx = vf_max(mx, vf_abs(v));
             }
             const float amax = vf_hmax(mx);
-            round_i16_32(xb, amax > 0.0f ? 32767.0f / amax : 0.0f, xq + (r * nb + b) * QK);
-            dx[r * nb + b] = amax / 32767.0f;
+            int16_t *q = xq + (r * nb + b) * QK;
+            if (kvqi_act8) {
+                round_i16_32(xb, amax > 0.0f ? 127.0f / amax : 0.0f, q);
+                for (int i = 0; i < QK; i++) q[i] = (int16_t)(q[i] * 256);
+                dx[r * nb + b] = amax / 127.0f / 256.0f;
+            } else {
+                round_i16_32(xb, amax > 0.0f ? 32767.0f / amax : 0.0f, q);
+                dx[r * nb + b] = amax / 32767.0f;
+            }
             sx[r * nb + b] = vf_hsum(s);
         }
 }
