@@ -243,6 +243,9 @@ class EngineConfig:
     quantization: str = "auto"
     kv_cache: str = "paged"
     kv_cache_dtype: str = "auto"
+    # Bits activations are rounded to where they meet quantised weights on the CPU kernels: 16 (within 0.03% of
+    # the file's float model) or 8 (llama.cpp's precision; faster prompts). Process-wide: docs/KQUANTS.md.
+    activation_bits: int = 16
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes; None: derived from kv_cache_fraction
     kv_cache_fraction: float = 0.0  # of free memory, used when kv_cache_memory is None and > 0
@@ -306,6 +309,8 @@ class EngineConfig:
             raise ValidationError("kv_cache", self.kv_cache, f"must be one of {', '.join(KV_BACKENDS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValidationError("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.activation_bits not in (8, 16):
+            raise ValidationError("activation_bits", self.activation_bits, "must be 16 or 8")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValidationError("dtype", self.dtype, f"must be one of auto, {', '.join(DTYPES)}")
         if self.device not in DEVICES:

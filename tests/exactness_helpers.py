@@ -37,7 +37,7 @@ def sample_requests(vocab: int, lo: int) -> list[tuple[list[int], SamplingParams
 
 
 def serve(loaded, path, reqs, *, kv_cache="paged", block_size=16, kv_tokens=None, budget=2048, prefix=True,
-           arrivals=None, order=None):
+           arrivals=None, order=None, activation_bits=16):
     """Run the requests through one engine; arrivals[i] is the step before which request i joins. Returns
     ({index: (token ids, logprobs)}, preemptions)."""
     kv_dtype = resolve_kv_cache_dtype(EngineConfig(model=path, dtype="float32", device="cpu"), loaded).kv_cache_dtype
@@ -50,7 +50,7 @@ def serve(loaded, path, reqs, *, kv_cache="paged", block_size=16, kv_tokens=None
         mem = kv_per_token * kv_tokens
     cfg = EngineConfig(model=path, dtype="float32", device="cpu", kv_cache=kv_cache, block_size=block_size,
                        kv_cache_memory=mem, max_model_len=MAX_LEN, max_num_batched_tokens=budget,
-                       enable_prefix_caching=prefix)
+                       enable_prefix_caching=prefix, activation_bits=activation_bits)
     eng = LLMEngine(cfg, loaded)
     order = list(range(len(reqs))) if order is None else order
     arrivals = arrivals or [0] * len(reqs)
@@ -92,8 +92,8 @@ def check_served(loaded, path, reqs, alone, way):
         assert got[i][3] == want[3], (i, way)  # prompt logprobs
 
 
-def serve_alone(loaded, path, reqs):
-    return {i: serve(loaded, path, [r])[0][0] for i, r in enumerate(reqs)}
+def serve_alone(loaded, path, reqs, **kw):
+    return {i: serve(loaded, path, [r], **kw)[0][0] for i, r in enumerate(reqs)}
 
 
 HYPOTHESIS_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,

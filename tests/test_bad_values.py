@@ -31,6 +31,7 @@ ENGINE = {
     "--device": ["tpu"],
     "--kv-cache": ["huge"],
     "--kv-cache-dtype": ["int4"],
+    "--activation-bits": ["4", "eight"],
     "--kv-cache-memory": ["-5GiB", "0", "lots", "nan", "1TiB", HUGE],
     "--kv-cache-fraction": ["-0.5", "1.5", "nan", "half"],
     "--block-size": ["0", "2000", "abc"],

@@ -5,7 +5,9 @@ speculator."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -187,6 +189,7 @@ def build(config: EngineConfig, loaded: Optional[LoadedModel] = None) -> EngineP
             raise ValidationError("speculative_model", config.speculative_model, str(e)) from None
     if config.num_threads:
         torch.set_num_threads(usable_threads(config.num_threads))
+    claim_activation_bits(config.activation_bits)
     if config.tensor_parallel_size > 1 and loaded is None:  # a bad size fails before any weight is read
         from kvinfer.parallel import check_tp_size
 
@@ -235,7 +238,28 @@ def build(config: EngineConfig, loaded: Optional[LoadedModel] = None) -> EngineP
                         kv_cache, scheduler, processor, output_processor, runner, kv_tiers, None)
     if config.speculative:
         parts.speculator = build_speculator(parts)
+    _bits_users[runner] = config.activation_bits  # (the engine keeps its runner, not these parts)
     return parts
+
+
+# The engines of this process (by their runners, held weakly) and the activation bits each runs at.
+_bits_users: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def claim_activation_bits(bits: int) -> None:
+    """Set the kernels' activation bits (process-wide: every level's library) for an engine about to be built;
+    a ValidationError while another engine of this process runs at other bits, whose results would change."""
+    from kvinfer import kernels
+
+    if kernels.activation_bits() != bits:
+        others = set(_bits_users.values())
+        if others - {bits}:
+            gc.collect()  # an engine no longer referenced but not yet collected does not count
+            others = set(_bits_users.values())
+        if others - {bits}:
+            raise ValidationError("activation_bits", bits, f"this process already runs an engine at "
+                                  f"{others.pop()} activation bits (the setting is process-wide)")
+        kernels.set_activation_bits(bits)
 
 
 def build_speculator(e: EngineParts):

@@ -253,6 +253,9 @@ def run_worker(config: EngineConfig, rdv: Rendezvous, rank: int) -> int:
         return 1
     err, runner = None, None
     try:
+        from kvinfer import kernels
+
+        kernels.set_activation_bits(config.activation_bits)  # as rank 0's (a worker runs no other engine)
         loaded = load_model(config)  # on CUDA, the device set just above
         shard_decoder(loaded.model, loaded.config, rank, rdv.world, compute, CommStats())
     except Exception as e:  # reported to rank 0, which names it in its own error
