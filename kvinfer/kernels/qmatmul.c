@@ -335,6 +335,7 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                                                             int64_t ldy, int64_t n0, int64_t n1, const int MT) {
     const int64_t gb = kept_group_bytes(nb, qt);
     const __m512i ones = _mm512_set1_epi8(1);
+    const int l8 = kvqi_act8; /* the lo bytes are zero: their products skipped */
     for (int64_t n = n0; n < n1; n += KEPT_COLS) {
         const int g = n1 - n < KEPT_COLS ? (int)(n1 - n) : KEPT_COLS;
         const uint8_t *gq = kept + n / KEPT_COLS * gb;
@@ -363,14 +364,18 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
                 const uint8_t *xr = xu + (r * nb + b) * 64; /* 32 bytes hi + 128, then 32 bytes lo */
                 __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0; /* four short chains */
                 for (int k = 0; k < 8; k += 2) {
-                    int32_t a, c, e, f;
+                    int32_t a, c;
                     memcpy(&a, xr + 4 * k, 4), memcpy(&c, xr + 4 * k + 4, 4);
-                    memcpy(&e, xr + 32 + 4 * k, 4), memcpy(&f, xr + 32 + 4 * k + 4, 4);
                     h0 = _mm512_dpbusd_epi32(h0, _mm512_set1_epi32(a), W[k]);
                     h1 = _mm512_dpbusd_epi32(h1, _mm512_set1_epi32(c), W[k + 1]);
-                    l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(e), W[k]);
-                    l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(f), W[k + 1]);
                 }
+                if (!l8)
+                    for (int k = 0; k < 8; k += 2) {
+                        int32_t e, f;
+                        memcpy(&e, xr + 32 + 4 * k, 4), memcpy(&f, xr + 32 + 4 * k + 4, 4);
+                        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(e), W[k]);
+                        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(f), W[k + 1]);
+                    }
                 const __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), s15);
                 const __m512i D = _mm512_add_epi32(hi, _mm512_add_epi32(l0, l1));
                 acc[r] = lanes_block(acc[r], D, vd, vm, dx[r * nb + b], sx[r * nb + b], qt);

@@ -35,12 +35,17 @@ def rounded(x: torch.Tensor, k: int, levels: float) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int, levels: float) -> torch.Tensor:
-    """x . w in float64, x rounded to `levels`; a minimum (Q4_K, Q5_K, Q2_K) meets the exact x, as in the kernels."""
+    """x . w in float64, x rounded to `levels`; a minimum (Q4_K, Q5_K, Q2_K, Q4_1) meets the exact x, as in the
+    kernels."""
     xr = rounded(x, k, levels)
     y = xr @ deq(raw, qtype, n, k).double().T
     if qtype in ("Q4_K", "Q5_K", "Q2_K"):
         zero = raw.reshape(n, k // 256, BLOCK_BYTES[qtype]).copy()
         zero[:, :, 16:80 if qtype == "Q2_K" else None] = 0  # the quants: what is left is -dmin * m_j
+        y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
+    if qtype == "Q4_1":
+        zero = raw.reshape(n, k // 32, 20).copy()
+        zero[:, :, 4:] = 0  # the quants: what is left is m
         y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
     return y
 
@@ -52,7 +57,7 @@ def weights(qtype: str, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(ref_quantize(a, T[qtype]))
 
 
-@pytest.mark.parametrize("qtype", SBTYPES + ("Q4_0", "Q8_0"))
+@pytest.mark.parametrize("qtype", SBTYPES + ("Q4_0", "Q4_1", "Q8_0"))
 def test_eight_bit_activations_at_every_level_kept_or_not(qtype, eight_bits):
     n, k = 40, 512
     raw = weights(qtype, n, k)
