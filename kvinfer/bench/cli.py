@@ -119,6 +119,11 @@ def _model_label(engine) -> str:
     return f"{name} ({src.kind}), {str(engine.loaded.dtype).replace('torch.', '')}"
 
 
+def _bits_note(engine) -> str:
+    """", 8-bit activations" in a header when the engine runs at --activation-bits 8 (nothing at the default)."""
+    return ", 8-bit activations" if getattr(engine.config, "activation_bits", 16) == 8 else ""
+
+
 def _threads() -> int:
     import torch
 
@@ -331,7 +336,7 @@ def cmd_decode(args) -> int:
                               new_tokens=args.tokens, rows=rows, roofline=roofline), indent=2))
         return 0
     print(f"kvinfer bench decode: {_model_label(engine)}, {_threads()} threads, prompt {args.prompt_tokens} tokens, "
-          f"{args.tokens} new tokens, greedy, single stream")
+          f"{args.tokens} new tokens, greedy, single stream{_bits_note(engine)}")
     print(machine_line())
     print(f"{'engine':<14}{'load s':>8}{'TTFT ms':>10}{'prefill tok/s':>15}{'decode tok/s':>14}"
           f"{'kvinfer speedup (decode, prefill)':>36}")
@@ -417,7 +422,7 @@ def cmd_throughput(args) -> int:
     if not args.json:  # ours first, so a long peer run never hides them
         print(f"kvinfer bench throughput: {len(work)} requests, {prompt_tokens} prompt + {gen} generated tokens, "
               f"{_threads()} threads, dtype {str(dtype).replace('torch.', '')}, KV cache {eng.kv_dtype} "
-              f"({format_bytes(eng.kv_bytes_per_token)} per token)")
+              f"({format_bytes(eng.kv_bytes_per_token)} per token){_bits_note(eng)}")
         print(machine_line())
         print(f"  generated tokens/s   {ours['tps']:.1f}   requests/s {ours['rps']:.2f}   wall {secs:.1f} s")
         print(f"  TTFT mean/p99        {ours['ttft_mean'] * 1000:.0f} / {ours['ttft_p99'] * 1000:.0f} ms")

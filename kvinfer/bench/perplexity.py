@@ -59,7 +59,7 @@ def evaluate(engine, chunks: list[list[int]], context: int) -> tuple[list[float]
 
 def cmd_perplexity(args) -> int:
     from kvinfer.bench import machine, machine_line
-    from kvinfer.bench.cli import _model_label, _threads
+    from kvinfer.bench.cli import _bits_note, _model_label, _threads
     from kvinfer.cli import engine_config_from_args
     from kvinfer.engine.llm_engine import LLMEngine
     from kvinfer.errors import ValidationError
@@ -99,7 +99,8 @@ def cmd_perplexity(args) -> int:
                               mean_nll=sum(nll) / len(nll), seconds=secs, tokens_per_second=evaluated / secs),
                          indent=2))
         return 0
-    print(f"kvinfer perplexity: {_model_label(engine)}, {_threads()} threads, KV cache {engine.kv_dtype}; "
+    print(f"kvinfer perplexity: {_model_label(engine)}, {_threads()} threads, KV cache {engine.kv_dtype}"
+          f"{_bits_note(engine)}; "
           f"{args.file}: {len(ids)} tokens, {len(chunks)} chunks of {args.context} (the second half of each scored)")
     print(machine_line())
     running, start = [], 0
