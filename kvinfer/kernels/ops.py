@@ -81,7 +81,7 @@ class Kernels:
         """Prompt rows (matmul_prompt) on AMX bfloat16 tiles: needs the tiles on (set_amx), a CPU with AMX-BF16
         and AVX512_BF16, and 16 activation bits. Returns whether the route is now on."""
         self._want_prompt_route = bool(on) and self.activation_bits == 16
-        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(bool(on))))
+        self.prompt_route = bool(self.lib.kvq_amx_bf16_enable(int(self._want_prompt_route)))
         return self.prompt_route
 
     @property
