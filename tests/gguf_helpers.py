@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as ref_quantize
 from safetensors.torch import load_file
 
+LLAMA_QUANTIZE = "/work/llama/build/bin/llama-quantize"  # llama.cpp's quantizer (scripts/make_gguf.py's default)
 HF_TO_GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import gguf
 import numpy as np
 import torch
 
@@ -135,3 +136,36 @@ def assert_kept_routes(lib, w, qtype: str, kept, xs: dict, want: dict, bias=None
                     also(m, x, y)
     finally:
         lib.set_amx(amx)
+
+
+# ---- K-quant super-blocks (256 weights) ----
+KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
+SBTYPES = KTYPES + ("IQ4_XS", "Q3_K", "Q2_K")  # every 256-weight super-block type kquants.c reads
+KQ_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
+
+
+def kquant_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random super-blocks (gguf cannot quantise K-quants): random quants and packed scales, small fp16 d / dmin."""
+    rng = np.random.default_rng(seed)
+    bb, nsb = KQ_BLOCK_BYTES[qtype], k // 256
+    raw = rng.integers(0, 256, (n, nsb, bb), dtype=np.uint8)
+    d = rng.uniform(0.002, 0.02, (n, nsb)).astype(np.float16)
+    if qtype == "Q6_K":
+        raw[:, :, 208:210] = d.view(np.uint8).reshape(n, nsb, 2)
+    elif qtype == "IQ4_XS":  # d, then random 6-bit scales and indexes
+        raw[:, :, 0:2] = (d / 8).astype(np.float16).view(np.uint8).reshape(n, nsb, 2)
+    elif qtype == "Q3_K":  # random hmask, quants and scales, then d
+        raw[:, :, 108:110] = d.view(np.uint8).reshape(n, nsb, 2)
+    elif qtype == "Q2_K":  # random scale/min nibbles and quants, then d, dmin
+        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
+        raw[:, :, 80:82] = d.view(np.uint8).reshape(n, nsb, 2)
+        raw[:, :, 82:84] = dmin.view(np.uint8).reshape(n, nsb, 2)
+    else:
+        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
+        raw[:, :, 0:2] = d.view(np.uint8).reshape(n, nsb, 2)
+        raw[:, :, 2:4] = dmin.view(np.uint8).reshape(n, nsb, 2)
+    return np.ascontiguousarray(raw.reshape(n, nsb * bb))
+
+
+def kquant_deq(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).copy())

@@ -14,7 +14,7 @@ import pytest
 from kvinfer import LLM, kernels
 from kvinfer.config import EngineConfig
 from kvinfer.errors import ValidationError
-from tests.models.test_fused_decode import LLAMA_QUANTIZE
+from tests.gguf_helpers import LLAMA_QUANTIZE
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernels")
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as ref_quantize
 
 import kvinfer.kernels as kernels
-from tests.kernels.test_kquant_kernels import BLOCK_BYTES, SBTYPES, _levels_here, deq, make_raw, rel_err
+from tests.kernel_helpers import KQ_BLOCK_BYTES, SBTYPES, kquant_deq, kquant_raw, levels_here, rel_err
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernels")
 TOL = 2e-5  # against float64 of x rounded as the kernel rounds it: only float rounding left
@@ -38,21 +38,21 @@ def reference(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int, leve
     """x . w in float64, x rounded to `levels`; a minimum (Q4_K, Q5_K, Q2_K, Q4_1) meets the exact x, as in the
     kernels."""
     xr = rounded(x, k, levels)
-    y = xr @ deq(raw, qtype, n, k).double().T
+    y = xr @ kquant_deq(raw, qtype, n, k).double().T
     if qtype in ("Q4_K", "Q5_K", "Q2_K"):
-        zero = raw.reshape(n, k // 256, BLOCK_BYTES[qtype]).copy()
+        zero = raw.reshape(n, k // 256, KQ_BLOCK_BYTES[qtype]).copy()
         zero[:, :, 16:80 if qtype == "Q2_K" else None] = 0  # the quants: what is left is -dmin * m_j
-        y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
+        y += (x.double() - xr) @ kquant_deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
     if qtype == "Q4_1":
         zero = raw.reshape(n, k // 32, 20).copy()
         zero[:, :, 4:] = 0  # the quants: what is left is m
-        y += (x.double() - xr) @ deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
+        y += (x.double() - xr) @ kquant_deq(np.ascontiguousarray(zero.reshape(n, -1)), qtype, n, k).double().T
     return y
 
 
 def weights(qtype: str, n: int, k: int) -> np.ndarray:
     if qtype in SBTYPES:
-        return make_raw(qtype, n, k, seed=3)
+        return kquant_raw(qtype, n, k, seed=3)
     a = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32) * 0.1
     return np.ascontiguousarray(ref_quantize(a, T[qtype]))
 
@@ -63,7 +63,7 @@ def test_eight_bit_activations_at_every_level_kept_or_not(qtype, eight_bits):
     raw = weights(qtype, n, k)
     w = torch.from_numpy(raw)
     got = {}
-    for lv in _levels_here():
+    for lv in levels_here():
         lib = kernels.library(lv)
         assert lib.activation_bits == 8
         kept = lib.keep_tiles(w, n, k, qtype)
@@ -83,10 +83,10 @@ def test_eight_bit_activations_at_every_level_kept_or_not(qtype, eight_bits):
 
 
 def test_the_setting_reaches_every_library_and_back():
-    libs = [kernels.library(lv) for lv in _levels_here()]
+    libs = [kernels.library(lv) for lv in levels_here()]
     with pytest.raises(ValueError, match="16 or 8"):
         kernels.set_activation_bits(12)
-    x, raw = torch.randn(3, 256), make_raw("Q4_K", 16, 256, seed=1)
+    x, raw = torch.randn(3, 256), kquant_raw("Q4_K", 16, 256, seed=1)
     before = libs[0].matmul(x, torch.from_numpy(raw), "Q4_K")
     try:
         kernels.set_activation_bits(8)

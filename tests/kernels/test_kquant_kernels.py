@@ -10,12 +10,13 @@ import torch
 import kvinfer.kernels as kernels
 import kvinfer.kernels.ops as ops_module
 from kvinfer.layers.quant_linear import QuantLinear
+from tests.kernel_helpers import KQ_BLOCK_BYTES as BLOCK_BYTES
+from tests.kernel_helpers import KTYPES, SBTYPES
+from tests.kernel_helpers import kquant_deq as deq
+from tests.kernel_helpers import kquant_raw as make_raw
 
-KTYPES = ("Q4_K", "Q5_K", "Q6_K")  # the K-quants with a scale and a minimum or a signed scale per sub-block
-SBTYPES = KTYPES + ("IQ4_XS", "Q3_K", "Q2_K")  # every 256-weight super-block type kquants.c reads
 # the types with a kept copy, per level
 KEPT_AT = {"avx2": KTYPES + ("Q3_K", "Q2_K"), "avx512": KTYPES + ("Q3_K", "IQ4_XS", "Q2_K")}
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136, "Q3_K": 110, "Q2_K": 84}
 # Against float64 of x rounded to int16 per 32-block exactly as the kernel rounds it: only float rounding left.
 TOL = 2e-5
 # Against float64 of x itself: the int16 rounding of x, as for the 32-weight types (tests/kernels/test_matmul_kernel.py).
@@ -24,33 +25,6 @@ TOL_I16 = 2e-4
 
 def _f16(v: float) -> np.ndarray:
     return np.frombuffer(np.float16(v).tobytes(), np.uint8)
-
-
-def make_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random super-blocks (gguf cannot quantise K-quants): random quants and packed scales, small fp16 d / dmin."""
-    rng = np.random.default_rng(seed)
-    bb, nsb = BLOCK_BYTES[qtype], k // 256
-    raw = rng.integers(0, 256, (n, nsb, bb), dtype=np.uint8)
-    d = rng.uniform(0.002, 0.02, (n, nsb)).astype(np.float16)
-    if qtype == "Q6_K":
-        raw[:, :, 208:210] = d.view(np.uint8).reshape(n, nsb, 2)
-    elif qtype == "IQ4_XS":  # d, then random 6-bit scales and indexes
-        raw[:, :, 0:2] = (d / 8).astype(np.float16).view(np.uint8).reshape(n, nsb, 2)
-    elif qtype == "Q3_K":  # random hmask, quants and scales, then d
-        raw[:, :, 108:110] = d.view(np.uint8).reshape(n, nsb, 2)
-    elif qtype == "Q2_K":  # random scale/min nibbles and quants, then d, dmin
-        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
-        raw[:, :, 80:82] = d.view(np.uint8).reshape(n, nsb, 2)
-        raw[:, :, 82:84] = dmin.view(np.uint8).reshape(n, nsb, 2)
-    else:
-        dmin = rng.uniform(0.001, 0.01, (n, nsb)).astype(np.float16)
-        raw[:, :, 0:2] = d.view(np.uint8).reshape(n, nsb, 2)
-        raw[:, :, 2:4] = dmin.view(np.uint8).reshape(n, nsb, 2)
-    return np.ascontiguousarray(raw.reshape(n, nsb * bb))
-
-
-def deq(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).copy())
 
 
 def reference_i16(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
