@@ -13,7 +13,7 @@ from kvinfer.config import ModelConfig
 from kvinfer.errors import UnsupportedError, ValidationError
 from kvinfer.layers.mlp import SwiGLU
 from kvinfer.layers.moe import MoE
-from kvinfer.layers.quant_linear import KernelLinear, QuantLinear
+from kvinfer.layers.quant_linear import KernelLinear, QuantLinear, QuantParts
 from kvinfer.loaders.dequant import block_info
 from kvinfer.options import options
 
@@ -192,6 +192,19 @@ class VocabParallelHead(CollectiveModule):
 
 def _take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     """Column-parallel: the output rows `rows` of a linear (float or GGML blocks; GGML rows are independent)."""
+    if isinstance(m, QuantParts):  # parts of other types (Q4_K_M's q/k Q4_K, v Q6_K): each run of rows from its part
+        starts, off = [], 0
+        for p in m.parts:
+            starts.append(off)
+            off += p.out_features
+        runs: list[tuple[int, list[int]]] = []  # (part, its local rows), in the order of `rows`
+        for r in rows.tolist():
+            i = max(j for j, s0 in enumerate(starts) if s0 <= r)
+            if runs and runs[-1][0] == i:
+                runs[-1][1].append(r - starts[i])
+            else:
+                runs.append((i, [r - starts[i]]))
+        return QuantParts([_take_rows(m.parts[i], torch.tensor(local)) for i, local in runs])
     rows = rows.to(m.raw.device if isinstance(m, QuantLinear) else m.weight.device)
     bias = None if m.bias is None else m.bias.detach()[rows].clone()
     if isinstance(m, QuantLinear):

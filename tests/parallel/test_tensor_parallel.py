@@ -422,3 +422,29 @@ def test_moe_gguf_tp2_gives_tp1s_tokens_and_logprobs(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
         assert a.prompt_logprobs == b.prompt_logprobs
+
+
+# ---- a fused projection whose parts differ in type (Q4_K_M's q/k Q4_K and v Q6_K), TP 2 --------------------------
+def test_mixed_type_projections_shard_and_give_tp1s_bits(tmp_path):
+    """q/k/v of other types (QuantParts) split by rows as their parts: each rank's share keeps each part's type,
+    and TP 2 answers bit for bit as TP 1."""
+    from kvinfer.layers.quant_linear import QuantParts
+    from tests.gguf_helpers import write_mixed
+
+    path = str(write_mixed(tmp_path / "mixed.gguf"))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
+    prompts = [[2 + (5 * i + j) % 60 for j in range(4 + 3 * i)] for i in range(3)]
+    kw = dict(dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
+    ref = LLM(path, **kw).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        qkv = llm.engine.loaded.model.layers[0].attn.qkv
+        inner = getattr(qkv, "inner", qkv)
+        assert isinstance(inner, QuantParts) and [p.qtype for p in inner.parts] == ["Q4_0", "Q4_0", "Q8_0"]
+        assert [p.out_features for p in inner.parts] == [32, 16, 16]  # this rank's half of q (4 heads), k, v (2)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
