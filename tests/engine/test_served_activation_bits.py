@@ -62,6 +62,37 @@ def test_eight_bits_are_exact_however_served_and_not_sixteen(tmp_path):
     assert out["8"][0][2] != out["16"][0][2]  # and 8 bits are another rounding
 
 
+_TP = """
+import json, sys
+from kvinfer import LLM, SamplingParams
+from tests.gguf_helpers import write_mixed
+
+def run(path, tp):
+    llm = LLM(path, tensor_parallel_size=tp, activation_bits=8, kv_cache_memory=4 << 20, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [2 + (5 * i + j) % 60 for j in range(4 + 3 * i)]} for i in range(3)],
+                        params, use_tqdm=False)
+    llm.close()
+    return [[list(o.outputs[0].token_ids), [lp.logprob.hex() for lp in o.outputs[0].logprobs]] for o in outs]
+
+if __name__ == "__main__":
+    path = str(write_mixed(__import__("pathlib").Path(sys.argv[1])))
+    print(json.dumps([run(path, 1), run(path, 2)]))
+"""
+
+
+def test_eight_bits_reach_the_tensor_parallel_ranks(tmp_path):
+    # Each rank's library is set from the engine's config: TP 2 at 8 bits answers as TP 1 at 8 bits, bit for bit.
+    script = tmp_path / "tp8.py"
+    script.write_text(_TP)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    got = subprocess.run([sys.executable, str(script), str(tmp_path / "mixed.gguf")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-2000:]
+    tp1, tp2 = json.loads(got.stdout.strip().splitlines()[-1])
+    assert tp1 == tp2
+
+
 def test_an_engine_at_other_bits_is_refused_while_one_runs(builtin_llm):
     assert builtin_llm.engine.config.activation_bits == 16
     with pytest.raises(ValidationError, match="activation_bits.*16 activation bits.*process-wide"):
