@@ -22,6 +22,9 @@
 #include "kquants.h"
 
 #define KQ_MIN_BYTES_PER_THREAD (16 * 1024)
+#define KQ_RUNS_PER_THREAD 4 /* runs of columns per thread on the byte route, from KQ_RUNS_MIN_ROWS rows (below, one) */
+#define KQ_RUNS_MIN_ROWS 32
+#define KQ_PREP_PAR_MIN 32768 /* elements of x below which its rounding stays on one thread */
 
 #if KVQ_LEVEL >= 1
 static inline __m256i u8x16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
@@ -654,6 +657,39 @@ static int kq_run(const struct kq_job *j, int64_t n0, int64_t n1) {
     return KVQ_OK;
 }
 
+/* Rows r0..r1 of x for the call: rounded (quantize_rows), Q2_K's sums per 16, and for the byte route (xu) the
+ * bytes and the offset sums per 16 (c16: off * sum(x), or off * 256 * sum(hi) where lo meets q itself,
+ * kc_lo_stored). */
+static void kq_prepare(const struct kq_job *j, const float *x, int64_t ldx, uint8_t *xu, int64_t r0, int64_t r1) {
+    const int64_t K = j->K, nb = K / 32, n16 = K / 16;
+    if (r1 <= r0) return;
+    kvq_quantize_rows(x + r0 * ldx, r1 - r0, K, ldx, (int16_t *)j->xq + r0 * K, (float *)j->dx + r0 * nb,
+                      (float *)j->sx + r0 * nb);
+    if (j->sx16) /* as quantize_rows sums a block of 32: lane-wise adds, then one horizontal sum */
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t b = 0; b < n16; b++) {
+                const float *xb = x + r * ldx + 16 * b;
+                ((float *)j->sx16)[r * n16 + b] = vf_hsum(vf_add(vf_add(vf_zero(), vf_load(xb)), vf_load(xb + 8)));
+            }
+    if (!xu) return;
+    kvq_split_bytes(j->xq + r0 * K, r1 - r0, K, kc_signed_hi(j->qt) ? 0 : 128, xu + r0 * K * 2);
+    if (j->c16) {
+        const int lo_u = kc_lo_stored(j->qt), off = kc_off(j->qt);
+        for (int64_t i = r0 * n16; i < r1 * n16; i++) {
+            int32_t a = 0;
+            for (int e = 0; e < 16; e++) a += lo_u ? j->xq[16 * i + e] : 256 * (j->xq[16 * i + e] >> 8);
+            ((int32_t *)j->c16)[i] = off * a;
+        }
+    }
+}
+
+/* Run u of runs: whole groups of the byte route's columns. */
+static void kq_kept_run(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t u, int64_t runs,
+                        int64_t groups) {
+    const int64_t e = groups * (u + 1) / runs * KC;
+    kvqi_kc_cols(j, xu, kept, groups * u / runs * KC, e < j->N ? e : j->N);
+}
+
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
                   int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
     const int bb = kq_block_bytes(qt);
@@ -668,19 +704,10 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         free(xq), free(dx), free(sx);
         return KVQ_ENOMEM;
     }
-    kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
     float *sx16 = NULL;
-    if (qt == QT_Q2_K) { /* as quantize_rows sums a block of 32: lane-wise adds, then one horizontal sum */
-        sx16 = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16)));
-        if (!sx16) {
-            free(xq), free(dx), free(sx);
-            return KVQ_ENOMEM;
-        }
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t b = 0; b < K / 16; b++) {
-                const float *xb = x + r * ldx + 16 * b;
-                sx16[r * (K / 16) + b] = vf_hsum(vf_add(vf_add(vf_zero(), vf_load(xb)), vf_load(xb + 8)));
-            }
+    if (qt == QT_Q2_K && !(sx16 = (float *)malloc(sizeof(float) * (size_t)(M * (K / 16))))) {
+        free(xq), free(dx), free(sx);
+        return KVQ_ENOMEM;
     }
     struct kq_job j = {xq, dx, sx, bias, sx16, NULL, w, y, M, K, N, ldw, ldy, qt, NULL};
     int nt = nthreads > 0 ? nthreads : kvq_max_threads();
@@ -702,15 +729,6 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
             free(xq), free(dx), free(sx), free(sx16), free(xu), free(c16);
             return KVQ_ENOMEM;
         }
-        kvq_split_bytes(xq, M, K, kc_signed_hi(qt) ? 0 : 128, xu);
-        if (c16) { /* off * sum(x), or off * 256 * sum(hi) where lo meets q itself (kc_lo_stored) */
-            const int lo_u = kc_lo_stored(qt), off = kc_off(qt);
-            for (int64_t i = 0; i < M * (K / 16); i++) {
-                int32_t a = 0;
-                for (int e = 0; e < 16; e++) a += lo_u ? xq[16 * i + e] : 256 * (xq[16 * i + e] >> 8);
-                c16[i] = off * a;
-            }
-        }
         j.c16 = c16;
         cols = KC;
     }
@@ -718,17 +736,21 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     if ((int64_t)nt > work / KQ_MIN_BYTES_PER_THREAD) nt = (int)(work / KQ_MIN_BYTES_PER_THREAD);
     if (nt > groups) nt = (int)groups;
     if (nt < 1) nt = 1;
+    /* the rows rounded (and split into bytes) by the same threads, whole rows each: a row's values depend on it
+     * alone */
+    const int pt = M * K >= KQ_PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
+#pragma omp parallel for num_threads(pt) schedule(static) if (pt > 1)
+    for (int c = 0; c < pt; c++) kq_prepare(&j, x, ldx, xu, M * c / pt, M * (c + 1) / pt);
     int rc = KVQ_OK;
-    if (xu) {
-#pragma omp parallel num_threads(nt) if (nt > 1)
-        {
-            int tid = 0, nth = 1;
-#ifdef _OPENMP
-            tid = omp_get_thread_num();
-            nth = omp_get_num_threads();
-#endif
-            const int64_t e = groups * (tid + 1) / nth * KC;
-            kvqi_kc_cols(&j, xu, kept, groups * tid / nth * KC, e < N ? e : N); /* whole groups each */
+    if (xu) { /* runs of whole groups, taken by whichever thread is free (a host that stalls one thread leaves the
+               * others the rest); one per thread for a few rows, whose calls are short */
+        const int64_t per = M >= KQ_RUNS_MIN_ROWS ? KQ_RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
+        if (per == 1) {
+#pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
+            for (int64_t u = 0; u < runs; u++) kq_kept_run(&j, xu, kept, u, runs, groups);
+        } else {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+            for (int64_t u = 0; u < runs; u++) kq_kept_run(&j, xu, kept, u, runs, groups);
         }
     } else if (!(j.xq = xq = kq_by_super_block(xq, M, K / QK_K, sizeof(int16_t) * QK_K)) ||
                !(j.dx = dx = kq_by_super_block(dx, M, K / QK_K, sizeof(float) * 8)) ||

@@ -437,21 +437,31 @@ KC_TILE(4)
 static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4};
 #endif
 
-/* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy; then the bias, one add. */
+/* Rows of x per pass over the columns: their bytes (xu) stay in the core's cache while every group of the copy meets
+ * them, instead of all M rows streaming from memory once per group (prompts of hundreds of rows). */
+#define KC_PASS_BYTES (512 * 1024)
+
+/* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy, a pass of rows at a time; then the bias, one
+ * add. */
 void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
     const int64_t nsb = j->K / QK_K, nb = j->K / 32, gb = nsb * kc_sb_bytes(j->qt);
-    for (int64_t n = n0; n < n1; n += KC) {
-        const int g = n1 - n < KC ? (int)(n1 - n) : KC;
-        for (int64_t r = 0; r < j->M; r += KC_MT) {
-            const int h = j->M - r < KC_MT ? (int)(j->M - r) : KC_MT;
-            kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, j->sx16 ? j->sx16 + r * 2 * nb : NULL,
-                        j->c16 ? j->c16 + r * 2 * nb : NULL, nb, nsb, kept + n / KC * gb, j->y + r * j->ldy + n,
-                        j->ldy, g, j->qt);
+    int64_t pass = KC_PASS_BYTES / (2 * j->K) / KC_MT * KC_MT;
+    if (pass < KC_MT) pass = KC_MT;
+    for (int64_t r0 = 0; r0 < j->M; r0 += pass) {
+        const int64_t r1 = j->M - r0 < pass ? j->M : r0 + pass;
+        for (int64_t n = n0; n < n1; n += KC) {
+            const int g = n1 - n < KC ? (int)(n1 - n) : KC;
+            for (int64_t r = r0; r < r1; r += KC_MT) {
+                const int h = r1 - r < KC_MT ? (int)(r1 - r) : KC_MT;
+                kc_tiles[h](xu + r * nb * 64, j->dx + r * nb, j->sx + r * nb, j->sx16 ? j->sx16 + r * 2 * nb : NULL,
+                            j->c16 ? j->c16 + r * 2 * nb : NULL, nb, nsb, kept + n / KC * gb, j->y + r * j->ldy + n,
+                            j->ldy, g, j->qt);
+            }
         }
-        if (j->bias)
-            for (int64_t r = 0; r < j->M; r++)
-                for (int u = 0; u < g; u++) j->y[r * j->ldy + n + u] = j->y[r * j->ldy + n + u] + j->bias[n + u];
     }
+    if (j->bias)
+        for (int64_t r = 0; r < j->M; r++)
+            for (int64_t n = n0; n < n1; n++) j->y[r * j->ldy + n] = j->y[r * j->ldy + n] + j->bias[n];
 }
 #else
 void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {

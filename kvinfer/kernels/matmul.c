@@ -4,29 +4,42 @@
  * lookup. */
 #include "matmul.h"
 
+/* Columns n0..n1 of every row: a pass of rows (whose activations stay in the core's cache) meets the columns a slab
+ * of weights at a time (which stays there while the pass's row tiles revisit it). */
 static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
     const int64_t ng = j->xq ? QNG : NG;
     const int64_t slab = W_SLAB_BYTES / j->ldw / ng * ng, nc = slab > 0 ? slab : ng; /* whole output groups */
     const int64_t nb = j->K / QK;
     const int mt = j->xq ? MT_MAX : kvqi_mf_max;
-    for (int64_t c0 = n0; c0 < n1; c0 += nc) {
-        const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
-        for (int64_t r = 0; r < j->M; r += mt) {
-            const int64_t h = j->M - r < mt ? j->M - r : mt;
-            if (j->kept)
-                kvqi_kepts[h](j->xu + r * nb * 2 * QK, j->dx + r * nb, j->sx + r * nb, nb, j->qt, j->kept,
-                              j->y + r * j->ldy, j->ldy, c0, c1);
-            else if (j->xq)
-                kvqi_tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
-                                j->y + r * j->ldy, j->ldy, c0, c1, r == 0);
-            else
-                kvqi_tiles_f[h](j->x + r * j->ldx, j->ldx, j->K, j->w, j->ldw, j->qt, j->y + r * j->ldy, j->ldy, c0,
-                                c1);
+    const int64_t row_bytes = j->xq ? 2 * j->K : 4 * j->K, pr = ROW_PASS_BYTES / row_bytes / mt * mt;
+    const int64_t pass = pr > mt ? pr : mt;
+    for (int64_t r0 = 0; r0 < j->M; r0 += pass) {
+        const int64_t r1 = j->M - r0 < pass ? j->M : r0 + pass;
+        for (int64_t c0 = n0; c0 < n1; c0 += nc) {
+            const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
+            for (int64_t r = r0; r < r1; r += mt) {
+                const int64_t h = r1 - r < mt ? r1 - r : mt;
+                if (j->kept)
+                    kvqi_kepts[h](j->xu + r * nb * 2 * QK, j->dx + r * nb, j->sx + r * nb, nb, j->qt, j->kept,
+                                  j->y + r * j->ldy, j->ldy, c0, c1);
+                else if (j->xq)
+                    kvqi_tiles_q[h](j->xq + r * nb * QK, j->dx + r * nb, j->sx + r * nb, nb, j->w, j->ldw, j->qt,
+                                    j->y + r * j->ldy, j->ldy, c0, c1, r == r0);
+                else
+                    kvqi_tiles_f[h](j->x + r * j->ldx, j->ldx, j->K, j->w, j->ldw, j->qt, j->y + r * j->ldy, j->ldy,
+                                    c0, c1);
+            }
         }
-        if (j->bias)
-            for (int64_t r = 0; r < j->M; r++)
-                for (int64_t n = c0; n < c1; n++) j->y[r * j->ldy + n] = j->y[r * j->ldy + n] + j->bias[n];
     }
+    if (j->bias)
+        for (int64_t r = 0; r < j->M; r++)
+            for (int64_t n = n0; n < n1; n++) j->y[r * j->ldy + n] = j->y[r * j->ldy + n] + j->bias[n];
+}
+
+/* Run u of runs: whole groups of ng output columns. */
+static void run_cols(const struct job *j, int64_t u, int64_t runs, int64_t groups, int64_t ng) {
+    const int64_t e = groups * (u + 1) / runs * ng;
+    run_rows(j, groups * u / runs * ng, e < j->N ? e : j->N);
 }
 
 int kvq_max_threads(void) {
@@ -97,24 +110,33 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         }
         j.xu = xu, j.kept = kept;
     }
-    if (bb) kvq_quantize_rows(x, M, K, ldx, xq, dx, sx);
-    if (xu) kvq_split_bytes(xq, M, K, 128, xu);
     const int64_t work = N * row_bytes * (M < 8 ? 1 : M / 8); /* weight bytes, times row tiles at prefill sizes */
     if ((int64_t)nt > work / MIN_BYTES_PER_THREAD) nt = (int)(work / MIN_BYTES_PER_THREAD);
     if (nt > N) nt = (int)N;
     if (nt < 1) nt = 1;
+    if (bb) { /* the rows rounded (and split into bytes) by the same threads, whole rows each */
+        const int pt = M * K >= PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
+#pragma omp parallel for num_threads(pt) schedule(static) if (pt > 1)
+        for (int c = 0; c < pt; c++) {
+            const int64_t r0 = M * c / pt, r1 = M * (c + 1) / pt, nb = K / QK;
+            if (r1 <= r0) continue;
+            kvq_quantize_rows(x + r0 * ldx, r1 - r0, K, ldx, xq + r0 * K, dx + r0 * nb, sx + r0 * nb);
+            if (xu) kvq_split_bytes(xq + r0 * K, r1 - r0, K, 128, xu + r0 * K * 2);
+        }
+    }
     if (nt == 1) {
         run_rows(&j, 0, N); /* no OpenMP region: saves its fixed cost on small calls */
     } else {
-#pragma omp parallel num_threads(nt)
-        {
-            int tid = 0, nth = 1;
-#ifdef _OPENMP
-            tid = omp_get_thread_num();
-            nth = omp_get_num_threads();
-#endif
-            const int64_t ng = bb ? QNG : NG, groups = (N + ng - 1) / ng, e = groups * (tid + 1) / nth * ng;
-            run_rows(&j, groups * tid / nth * ng, e < N ? e : N); /* whole groups each */
+        /* runs of whole groups, taken by whichever thread is free (a host that stalls one thread leaves the others
+         * the rest) */
+        const int64_t ng = bb ? QNG : NG, groups = (N + ng - 1) / ng;
+        const int64_t per = M >= RUNS_MIN_ROWS ? RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
+        if (per == 1) {
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+            for (int64_t u = 0; u < runs; u++) run_cols(&j, u, runs, groups, ng);
+        } else {
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+            for (int64_t u = 0; u < runs; u++) run_cols(&j, u, runs, groups, ng);
         }
     }
     free(xq), free(dx), free(sx), free(xu);
