@@ -80,7 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_default: str = "paged", with_
                    help="weights and activations dtype (auto: float32 on CPU, the dtype of the quantised "
                         "kernels; bfloat16 on CUDA)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
-                   help="gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 blocks and decode with kvinfer's CPU kernels; "
+                   help="gguf: keep a GGUF's quantised blocks (Q4_0 .. Q8_0, K-quants, IQ4; `kvinfer models` lists "
+                        "them) and decode with kvinfer's CPU kernels; "
                         "auto: gguf for GGUF models on CPU in float32 (default), none: dequantize to float")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     if with_kv_cache:
@@ -297,7 +298,8 @@ def read_prompt(args, stdin=None) -> str:
     given = [(name, v) for name, v in (("--file", args.file), ("--prompt", args.prompt_opt), ("PROMPT", args.prompt))
              if v is not None]
     if len(given) > 1:
-        raise ValidationError("prompt", None, f"give one of {' / '.join(n for n, _ in given)}, not several")
+        names = " and ".join(n for n, _ in given)
+        raise ValidationError("prompt", None, "not several", f"give one prompt, not several: {names} were given")
     if args.file is not None:
         try:
             with open(args.file, encoding="utf-8") as f:
@@ -396,8 +398,8 @@ EXAMPLES = {
                            "--kv-cache-dtype int8"],
     "kvinfer lab": ["kvinfer lab kvcache", "kvinfer lab kvcache --tokens 256"],
     "kvinfer lab kvcache": ["kvinfer lab kvcache", "kvinfer lab kvcache --tokens 256 --out lab_out"],
-    "kvinfer plan": ["kvinfer plan", "kvinfer plan --model llama-2-7b --memory 24GiB",
-                     "kvinfer plan --model llama-2-7b --kv-cache-dtype int8"],
+    "kvinfer plan": ["kvinfer plan --memory 24GiB", "kvinfer plan --model llama-2-7b --memory 24GiB",
+                     "kvinfer plan --model llama-2-7b --memory 24GiB --kv-cache-dtype int8"],
     "kvinfer simulate": ["kvinfer simulate", "kvinfer simulate --synthetic 200 --kv-cache-memory 256MiB",
                          "kvinfer simulate --bench --synthetic 32 --no-compare"],
 }
@@ -408,6 +410,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
         # "-5GiB" is a (bad) value, not an unknown option: let the flag's own check say what is wrong with it.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self.set_defaults(_help_prog=self.prog)  # the innermost command's, for parse_args
 
     def format_help(self) -> str:
         text = super().format_help()
@@ -418,6 +421,15 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):  # one line, the usage hint, exit 2 (argparse's convention)
         self.exit(2, f"kvinfer: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, except that an unknown flag points to the help of the command it was given to."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "_help_prog", self.prog)
+            self.exit(2, f"kvinfer: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
+        ns.__dict__.pop("_help_prog", None)
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:

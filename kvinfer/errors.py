@@ -9,11 +9,11 @@ class KvinferError(Exception):
 class ValidationError(KvinferError, ValueError):
     """A parameter has a value outside what it accepts."""
 
-    def __init__(self, param: str, value: object, reason: str):
+    def __init__(self, param: str, value: object, reason: str, message: str = ""):
         self.param = param
         self.value = value
         self.reason = reason
-        super().__init__(f"invalid {param}={value!r}: {reason}")
+        super().__init__(message or f"invalid {param}={value!r}: {reason}")  # message: where no value is to blame
 
 
 class ModelLoadError(KvinferError):

@@ -1,6 +1,7 @@
 """The first hour (issue 46): defaults that answer well, a CLI llama.cpp users already know."""
 import io
 import json
+import shlex
 import sys
 
 import pytest
@@ -102,6 +103,19 @@ def test_every_help_ends_with_examples():
         assert len(tail) == 2, p.prog
         lines = tail[1].splitlines()
         assert 2 <= len(lines) <= 3 and all("kvinfer" in line for line in lines), (p.prog, lines)
+        for line in lines:  # each example is a command line the parser takes (required flags given)
+            words = shlex.split(next(c for c in line.split(" | ") if "kvinfer" in c))  # echo .. | kvinfer .. | grep
+            argv = words[words.index("kvinfer") + 1:]
+            assert "_help_prog" not in vars(build_parser().parse_args(argv)), line
+
+
+def test_an_unknown_flag_points_to_its_commands_help(capsys):
+    for argv, prog in ((["generate", "hi", "--fast"], "kvinfer generate"),
+                       (["bench", "decode", "--fast"], "kvinfer bench decode"), (["--fast"], "kvinfer")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == f"kvinfer: error: unrecognized arguments: --fast (see {prog} --help)\n"
 
 
 def test_bench_default_peers_are_the_installed_ones(monkeypatch, capsys):

@@ -3,6 +3,7 @@ while there is work, one engine line (as vLLM does). `--quiet` turns both off.""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -11,7 +12,8 @@ from typing import Callable, Optional
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine lines
 
 # Request id prefixes (ServerState.admit) to the endpoint that made them.
-_ENDPOINTS = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions", "resp": "/v1/responses"}
+_ENDPOINTS = {"cmpl": "/v1/completions", "chatcmpl": "/v1/chat/completions", "resp": "/v1/responses",
+              "msg": "/v1/messages", "embd": "/v1/embeddings"}
 
 
 def server_logger() -> logging.Logger:
@@ -29,7 +31,8 @@ def server_logger() -> logging.Logger:
 def access_line(out) -> str:
     """One finished request (a RequestOutput): id, endpoint, tokens, time to first token, speed, finish."""
     rid = out.request_id
-    endpoint = _ENDPOINTS.get(rid.split("-", 1)[0], rid.split("-", 1)[0])
+    kind = re.match(r"[a-z]*", rid).group(0)  # the id's prefix: "chatcmpl-...", "msg_..."
+    endpoint = _ENDPOINTS.get(kind, kind)
     gen = sum(len(o.token_ids) for o in out.outputs)
     reasons = ",".join(sorted({o.finish_reason or "abort" for o in out.outputs})) or "abort"
     m = out.metrics

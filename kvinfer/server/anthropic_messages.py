@@ -10,7 +10,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import uuid
 from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvinfer.errors import KvinferError
 from kvinfer.server.app import _chat_input, _off_loop, _server, _validation_error
+from kvinfer.server.metrics import LatencyTracker, ServerMetrics
 from kvinfer.server.protocol import MAX_STOP, MAX_TOOLS, APIError, ChatCompletionRequest, _Body, from_engine_error
 from kvinfer.server.replies import SSEResponse, collect, sse
 from kvinfer.server.tool_calls import ToolContext
@@ -296,11 +296,14 @@ class _Blocks:
         return ev
 
 
-async def _events(msg_id: str, model: str, stream, tools: Optional[ToolContext]) -> AsyncIterator[str]:
+async def _events(msg_id: str, model: str, stream, tools: Optional[ToolContext],
+                  metrics: ServerMetrics) -> AsyncIterator[str]:
     blocks, ts = _Blocks(), (tools.stream() if tools is not None else None)
+    tracker = LatencyTracker(metrics)  # TTFT, inter-token latency, the request's count and its log line
     started = False
     try:
         async for out in stream:
+            tracker.observe(out)
             if not started:
                 started = True
                 usage = {**_usage(out), "output_tokens": 0}
@@ -339,9 +342,9 @@ async def messages(body: MessagesRequest, request: Request):
     chat = chat_request(body)
     ids, params, _, tools = await _off_loop(_chat_input, srv, chat)
     stream = await srv.admit([ids], params, "msg")
-    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    msg_id = stream.request_id  # msg_ and 24 hex digits, as Anthropic's; the server's log line names it too
     if body.stream:
-        return SSEResponse(_events(msg_id, body.model, stream, tools), stream)
+        return SSEResponse(_events(msg_id, body.model, stream, tools, srv.metrics), stream)
     finals = await collect(stream, request, srv.metrics)
     if finals is None:
         return Response(status_code=499)

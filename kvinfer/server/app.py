@@ -86,10 +86,15 @@ class ServerState:
         return self.tokenizer
 
     async def admit(self, prompts: list, params: SamplingParams, prefix: str) -> RequestStream:
-        """The generation routes' one call into the engine: one engine request per prompt, one stream."""
-        base = f"{prefix}-{uuid.uuid4().hex}"
+        """The generation routes' one call into the engine: one engine request per prompt, one stream. The id the
+        client gets (stream.api_id) is the engine's, so the server's log line for a request names it (one prompt;
+        several: the id, a dash and the prompt's index)."""
+        h = uuid.uuid4().hex
+        base = {"msg": f"msg_{h[:24]}", "resp": f"resp_{h}"}.get(prefix, f"{prefix}-{h}")  # each API's id shape
         reqs = [(base if len(prompts) == 1 else f"{base}-{i}", p, params) for i, p in enumerate(prompts)]
-        return self.lifecycle.track(await self.engine.add_requests(reqs))
+        stream = self.lifecycle.track(await self.engine.add_requests(reqs))
+        stream.api_id = base
+        return stream
 
 
 def _server(request: Request) -> ServerState:
@@ -356,7 +361,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         stream = await srv.admit([ids], params, "resp")
     except (APIError, KvinferError) as e:
         raise responses_error(e) from None
-    builder = ResponseBuilder(body, srv.model_name, history)
+    builder = ResponseBuilder(body, srv.model_name, history, stream.api_id)
     reply = ChatReply(srv.model_name, stream, srv.token_text, 1, k, tools)
     reply.reasoning = reasoning_parser(request.app, params)
     store = srv.responses if body.store is not False else None

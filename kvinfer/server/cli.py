@@ -58,8 +58,9 @@ def register(subparsers) -> None:
     s = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, responses, metrics)",
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions and /v1/responses "
-                    "(streaming with stream: true), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize "
-                    "and /detokenize; a web page at / (chat and the KV cache live).")
+                    "(OpenAI's; streaming with stream: true), /v1/messages (Anthropic's), /v1/embeddings, GET "
+                    "/v1/models, /health, /metrics (Prometheus), POST /tokenize and /detokenize; a web page at / "
+                    "(chat and the KV cache live).")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (same as --model)")
     add_server_args(s)

@@ -344,8 +344,8 @@ def _hex() -> str:
 class ResponseBuilder:
     """One response: its id, the settings it echoes, and output items from a chat reply's message or deltas."""
 
-    def __init__(self, body: ResponsesRequest, model: str, history: list[dict]):
-        self.id = f"resp_{_hex()}"
+    def __init__(self, body: ResponsesRequest, model: str, history: list[dict], rid: Optional[str] = None):
+        self.id = rid or f"resp_{_hex()}"  # rid: the engine request's id (ServerState.admit)
         self.created = int(time.time())
         self.body, self.model, self.history = body, model, history
 

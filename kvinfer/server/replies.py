@@ -149,7 +149,7 @@ class Reply:
     usage_in_chunks = False  # chat chunks carry "usage": null when the client asked for a usage chunk
 
     def __init__(self, prefix: str, model: str, stream: RequestStream):
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = getattr(stream, "api_id", None) or f"{prefix}-{uuid.uuid4().hex}"  # the engine's id (admit)
         self.created = int(time.time())
         self.model = model
         self.stream = stream

@@ -33,13 +33,24 @@ def test_one_access_line_per_finished_request():
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                           json={"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True}) as st:
             assert "[DONE]" in st.read().decode()
+        msg = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        m = httpx.post(s.url + "/v1/messages", timeout=60, json=msg)
+        with httpx.stream("POST", s.url + "/v1/messages", timeout=60, json={**msg, "stream": True}) as st:
+            streamed = st.read().decode()
+        resp = httpx.post(s.url + "/v1/responses", timeout=60, json={"input": "hi", "max_output_tokens": 4})
     finally:
         log.removeHandler(handler)
         s.stop()
-    assert len(handler.lines) == 2, handler.lines
-    chat, cmpl = handler.lines
+    assert len(handler.lines) == 5, handler.lines
+    chat, cmpl, msg_line, msg_streamed, resp_line = handler.lines
     gen = r.json()["usage"]["completion_tokens"]
     assert chat.startswith("chatcmpl-") and " /v1/chat/completions " in chat and f"generated={gen}" in chat
+    # the id a client gets is the one its line names, whatever the API's id shape
+    assert chat.split()[0] == r.json()["id"], (chat, r.json()["id"])
+    assert msg_line.split()[0] == m.json()["id"] and re.fullmatch(r"msg_[0-9a-f]{24}", m.json()["id"]), msg_line
+    assert " /v1/messages " in msg_line and " /v1/messages " in msg_streamed, (msg_line, msg_streamed)
+    assert f'"id": "{msg_streamed.split()[0]}"' in streamed or f'"id":"{msg_streamed.split()[0]}"' in streamed
+    assert resp_line.split()[0] == resp.json()["id"] and " /v1/responses " in resp_line, resp_line
     assert re.search(r"prompt=\d+ generated=\d+ ttft=\d+\.\d+s tok/s=[\d.]+ total=[\d.]+s finish=(stop|length)$",
                      chat), chat
     assert " /v1/completions prompt=1 generated=3 " in cmpl and cmpl.endswith("finish=length"), cmpl
