@@ -683,13 +683,6 @@ static void kq_prepare(const struct kq_job *j, const float *x, int64_t ldx, uint
     }
 }
 
-/* Run u of runs: whole groups of the byte route's columns. */
-static void kq_kept_run(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t u, int64_t runs,
-                        int64_t groups) {
-    const int64_t e = groups * (u + 1) / runs * KC;
-    kvqi_kc_cols(j, xu, kept, groups * u / runs * KC, e < j->N ? e : j->N);
-}
-
 int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N, int64_t ldw,
                   int qt, const uint8_t *kept, const float *bias, float *y, int64_t ldy, int nthreads) {
     const int bb = kq_block_bytes(qt);
@@ -747,10 +740,10 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
         const int64_t per = M >= KQ_RUNS_MIN_ROWS ? KQ_RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
         if (per == 1) {
 #pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
-            for (int64_t u = 0; u < runs; u++) kq_kept_run(&j, xu, kept, u, runs, groups);
+            for (int64_t u = 0; u < runs; u++) kvqi_kc_run(&j, xu, kept, u, runs, groups);
         } else {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-            for (int64_t u = 0; u < runs; u++) kq_kept_run(&j, xu, kept, u, runs, groups);
+            for (int64_t u = 0; u < runs; u++) kvqi_kc_run(&j, xu, kept, u, runs, groups);
         }
     } else if (!(j.xq = xq = kq_by_super_block(xq, M, K / QK_K, sizeof(int16_t) * QK_K)) ||
                !(j.dx = dx = kq_by_super_block(dx, M, K / QK_K, sizeof(float) * 8)) ||

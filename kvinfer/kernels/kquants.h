@@ -118,4 +118,6 @@ static inline int kc_sb_bytes(int qt) {
 /* The kept copy's route over output columns n0..n1 (whole groups of KC), every row (kquants_kept.c; never called at
  * the generic level). */
 KVQ_HIDDEN void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1);
+KVQ_HIDDEN void kvqi_kc_run(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t u, int64_t runs,
+                            int64_t groups);
 #endif

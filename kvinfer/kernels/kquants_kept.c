@@ -482,3 +482,10 @@ int kvq_kq_kept_pack(const uint8_t *w, int64_t N, int64_t K, int64_t ldw, int qt
     return KVQ_EBADTYPE;
 }
 #endif
+
+/* Run u of runs: whole groups of the columns (kvq_kq_matmul hands them to its threads). */
+void kvqi_kc_run(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t u, int64_t runs,
+                 int64_t groups) {
+    const int64_t e = groups * (u + 1) / runs * KC;
+    kvqi_kc_cols(j, xu, kept, groups * u / runs * KC, e < j->N ? e : j->N);
+}
