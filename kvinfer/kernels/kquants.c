@@ -22,9 +22,6 @@
 #include "kquants.h"
 
 #define KQ_MIN_BYTES_PER_THREAD (16 * 1024)
-#define KQ_RUNS_PER_THREAD 4 /* runs of columns per thread on the byte route, from KQ_RUNS_MIN_ROWS rows (below, one) */
-#define KQ_RUNS_MIN_ROWS 32
-#define KQ_PREP_PAR_MIN 32768 /* elements of x below which its rounding stays on one thread */
 
 #if KVQ_LEVEL >= 1
 static inline __m256i u8x16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
@@ -731,13 +728,13 @@ int kvq_kq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8
     if (nt < 1) nt = 1;
     /* the rows rounded (and split into bytes) by the same threads, whole rows each: a row's values depend on it
      * alone */
-    const int pt = M * K >= KQ_PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
+    const int pt = M * K >= KVQ_PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
 #pragma omp parallel for num_threads(pt) schedule(static) if (pt > 1)
     for (int c = 0; c < pt; c++) kq_prepare(&j, x, ldx, xu, M * c / pt, M * (c + 1) / pt);
     int rc = KVQ_OK;
     if (xu) { /* runs of whole groups, taken by whichever thread is free (a host that stalls one thread leaves the
                * others the rest); one per thread for a few rows, whose calls are short */
-        const int64_t per = M >= KQ_RUNS_MIN_ROWS ? KQ_RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
+        const int64_t per = M >= KVQ_RUNS_MIN_ROWS ? KVQ_RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
         if (per == 1) {
 #pragma omp parallel for num_threads(nt) schedule(static, 1) if (nt > 1)
             for (int64_t u = 0; u < runs; u++) kvqi_kc_run(&j, xu, kept, u, runs, groups);

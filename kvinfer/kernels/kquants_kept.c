@@ -437,15 +437,11 @@ KC_TILE(4)
 static const kc_any kc_tiles[KC_MT + 1] = {NULL, kc_tile1, kc_tile2, kc_tile3, kc_tile4};
 #endif
 
-/* Rows of x per pass over the columns: their bytes (xu) stay in the core's cache while every group of the copy meets
- * them, instead of all M rows streaming from memory once per group (prompts of hundreds of rows). */
-#define KC_PASS_BYTES (512 * 1024)
-
 /* Columns n0..n1 (n0 a multiple of KC) of every row from the kept copy, a pass of rows at a time; then the bias, one
  * add. */
 void kvqi_kc_cols(const struct kq_job *j, const uint8_t *xu, const uint8_t *kept, int64_t n0, int64_t n1) {
     const int64_t nsb = j->K / QK_K, nb = j->K / 32, gb = nsb * kc_sb_bytes(j->qt);
-    int64_t pass = KC_PASS_BYTES / (2 * j->K) / KC_MT * KC_MT;
+    int64_t pass = KVQ_PASS_BYTES / (2 * j->K) / KC_MT * KC_MT;
     if (pass < KC_MT) pass = KC_MT;
     for (int64_t r0 = 0; r0 < j->M; r0 += pass) {
         const int64_t r1 = j->M - r0 < pass ? j->M : r0 + pass;

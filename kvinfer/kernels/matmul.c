@@ -11,7 +11,7 @@ static void run_rows(const struct job *j, int64_t n0, int64_t n1) {
     const int64_t slab = W_SLAB_BYTES / j->ldw / ng * ng, nc = slab > 0 ? slab : ng; /* whole output groups */
     const int64_t nb = j->K / QK;
     const int mt = j->xq ? MT_MAX : kvqi_mf_max;
-    const int64_t row_bytes = j->xq ? 2 * j->K : 4 * j->K, pr = ROW_PASS_BYTES / row_bytes / mt * mt;
+    const int64_t row_bytes = j->xq ? 2 * j->K : 4 * j->K, pr = KVQ_PASS_BYTES / row_bytes / mt * mt;
     const int64_t pass = pr > mt ? pr : mt;
     for (int64_t r0 = 0; r0 < j->M; r0 += pass) {
         const int64_t r1 = j->M - r0 < pass ? j->M : r0 + pass;
@@ -115,7 +115,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
     if (nt > N) nt = (int)N;
     if (nt < 1) nt = 1;
     if (bb) { /* the rows rounded (and split into bytes) by the same threads, whole rows each */
-        const int pt = M * K >= PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
+        const int pt = M * K >= KVQ_PREP_PAR_MIN && M > 1 ? (nt < M ? nt : (int)M) : 1;
 #pragma omp parallel for num_threads(pt) schedule(static) if (pt > 1)
         for (int c = 0; c < pt; c++) {
             const int64_t r0 = M * c / pt, r1 = M * (c + 1) / pt, nb = K / QK;
@@ -130,7 +130,7 @@ int kvq_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
         /* runs of whole groups, taken by whichever thread is free (a host that stalls one thread leaves the others
          * the rest) */
         const int64_t ng = bb ? QNG : NG, groups = (N + ng - 1) / ng;
-        const int64_t per = M >= RUNS_MIN_ROWS ? RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
+        const int64_t per = M >= KVQ_RUNS_MIN_ROWS ? KVQ_RUNS_PER_THREAD : 1, runs = groups < nt * per ? groups : nt * per;
         if (per == 1) {
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
             for (int64_t u = 0; u < runs; u++) run_cols(&j, u, runs, groups, ng);

@@ -30,11 +30,7 @@
 #define NG 8                         /* output columns per group: one 8-lane vector of results */
 #define MF_MAX 4                     /* x rows per tile of float weights (2 accumulators each in registers) */
 #define W_SLAB_BYTES (256 * 1024)    /* weight rows kept in L2 while successive row tiles revisit them */
-#define ROW_PASS_BYTES (512 * 1024) /* activation rows per pass over the columns (run_rows) */
 #define MIN_BYTES_PER_THREAD (16 * 1024)
-#define RUNS_PER_THREAD 4 /* runs of output columns per thread, handed out as threads come free, from */
-#define RUNS_MIN_ROWS 32 /* rows (below, one run per thread: short calls) */
-#define PREP_PAR_MIN 32768 /* elements of x below which its rounding stays on one thread */
 /* Weight bytes ahead of the block being read that a first pass over a slab asks the cache for. The hardware
  * prefetchers alone leave a one-row decode short (docs/BENCHMARKS.md). Later row tiles find the slab in L2 and
  * skip it. */

@@ -1,6 +1,8 @@
 """Tensor-parallel sharding of a loaded Decoder, from outside: heads, MLP and vocabulary split across ranks."""
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -193,13 +195,10 @@ class VocabParallelHead(CollectiveModule):
 def _take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     """Column-parallel: the output rows `rows` of a linear (float or GGML blocks; GGML rows are independent)."""
     if isinstance(m, QuantParts):  # parts of other types (Q4_K_M's q/k Q4_K, v Q6_K): each run of rows from its part
-        starts, off = [], 0
-        for p in m.parts:
-            starts.append(off)
-            off += p.out_features
+        starts = list(itertools.accumulate((p.out_features for p in m.parts[:-1]), initial=0))
         runs: list[tuple[int, list[int]]] = []  # (part, its local rows), in the order of `rows`
         for r in rows.tolist():
-            i = max(j for j, s0 in enumerate(starts) if s0 <= r)
+            i = bisect.bisect_right(starts, r) - 1
             if runs and runs[-1][0] == i:
                 runs[-1][1].append(r - starts[i])
             else:
