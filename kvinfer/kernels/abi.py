@@ -136,6 +136,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvq_level": ([], c_int),
         "kvq_amx_enable": ([c_int], c_int),
         "kvq_activation_bits": ([c_int], c_int),
+        "kvq_prefetch_l2": ([], c_int),
         "kvq_amx_min_rows": ([], c_int),
         "kvq_amx_tiles_bytes": ([i64, i64, c_int], i64),
         "kvq_amx_tiles_pack": ([vp, i64, i64, i64, c_int, vp, c_int], c_int),

@@ -113,6 +113,8 @@ def describe() -> str:
         tiles += f", AMX tiles from {_active.amx_min_rows} rows"
     if _active.prompt_route and levels.keep_tiles_enabled():
         tiles += ", prompt rows' matmuls and attention on AMX bfloat16 tiles"
+    if tiles and _active.prefetch_l2:
+        tiles += " (prefetched into L2)"
     return (f"CPU kernels: level {level()} (CPU: {cpu}, {amx}); matmul: int{_activation_bits}-rounded activations x "
             f"GGML blocks{tiles} (float weights: fp32 FMA), attention: in-place paged, fixed 256-position pieces")
 

@@ -12,4 +12,8 @@
 #define KVQ_RUNS_MIN_ROWS 32
 #define KVQ_PREP_PAR_MIN 32768
 extern KVQ_HIDDEN int kvqi_act8; /* activations rounded to 8 bits, their lo bytes zero (kvq_activation_bits) */
+/* Where the kept copies are asked for ahead of their use (kvq_prefetch_l2): into L1 (prefetcht0), or on AMD's
+ * family 19h (Zen 3, Zen 4) into L2 (prefetcht1), where bursts of prefetcht0 stalled the one-row (decode) calls. */
+extern KVQ_HIDDEN int kvqi_pf_l2;
+#define KVQ_PREFETCH(p) (kvqi_pf_l2 ? __builtin_prefetch((p), 0, 2) : __builtin_prefetch((p), 0, 3))
 #endif

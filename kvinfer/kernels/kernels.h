@@ -32,6 +32,8 @@ void kvq_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int16_
 /* The bits activations are rounded to where they meet quantised weights: 16 (default) or 8; any other value
  * changes nothing. Returns the bits in use (process-wide, for every route of this library). */
 int kvq_activation_bits(int bits);
+/* 1 where the kept copies are prefetched into L2 rather than L1 (AMD family 19h: Zen 3, Zen 4), else 0. */
+int kvq_prefetch_l2(void);
 /* The kept copies of K-quant weights, laid out once for byte dot products (kquants_kept.c; kvq_amx_tiles_bytes /
  * pack hand them over, 0 bytes / KVQ_EBADTYPE at the generic level), and the activations' two bytes per int16
  * (hi + 128, lo; 64 bytes per block of 32). */

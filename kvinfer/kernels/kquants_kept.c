@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) void kc_tile(const uint8_t *xu, con
     for (int r = 0; r < MT; r++) acc[r] = kc_zerof();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *sb = gp + s * sbb;
-        for (int o = 0; o < sbb; o += 64) __builtin_prefetch(sb + KC_AHEAD * sbb + o);
+        for (int o = 0; o < sbb; o += 64) KVQ_PREFETCH(sb + KC_AHEAD * sbb + o);
         kc_vi W[8];
         if (qt == QT_Q6_K || qt == QT_Q3_K) { /* 16-value sub-blocks of signed quants q = u - off, no minimum */
             const int q3 = qt == QT_Q3_K, sc = q3 ? KC3_SC : KC6_SC, lo_u = kc_lo_stored(qt);

@@ -85,6 +85,12 @@ class Kernels:
         return self.prompt_route
 
     @property
+    def prefetch_l2(self) -> bool:
+        """Whether the kept copies are prefetched into L2 rather than L1 (AMD family 19h, Zen 3 and Zen 4: fixed
+        when the library loads; speed only, never a bit)."""
+        return bool(self.lib.kvq_prefetch_l2())
+
+    @property
     def activation_bits(self) -> int:
         """The bits activations are rounded to where they meet quantised weights (16 or 8; process-wide)."""
         return int(self.lib.kvq_activation_bits(0))

@@ -33,12 +33,31 @@
  */
 #include "matmul.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 int kvqi_act8;
 
 int kvq_activation_bits(int bits) {
     if (bits == 8 || bits == 16) kvqi_act8 = bits == 8;
     return kvqi_act8 ? 8 : 16;
 }
+
+int kvqi_pf_l2;
+
+/* Set once when the library loads: AMD (cpuid vendor "AuthenticAMD") family 19h. */
+__attribute__((constructor)) static void pf_init(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u) return;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return;
+    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+    kvqi_pf_l2 = family == 0x19;
+#endif
+}
+
+int kvq_prefetch_l2(void) { return kvqi_pf_l2; }
 
 /* Row r: xq int16 [nb * 32], dx its block scales, sx its exact float block sums. At 8 activation bits a block is
  * rounded to q in [-127, 127] (scale amax / 127, as llama.cpp's Q8_0) and stored as xq = 256 q, dx = amax / 127 /
@@ -345,9 +364,9 @@ static inline __attribute__((always_inline)) void kept_rows(const uint8_t *xu, c
 #pragma GCC unroll 16
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            for (int o = 0; o < qb; o += 64) __builtin_prefetch(gq + (b + KEPT_AHEAD(qt)) * qb + o);
-            if (b % 2 == 0) __builtin_prefetch(dh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
-            if (q_has_min(qt) && b % 2 == 0) __builtin_prefetch(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
+            for (int o = 0; o < qb; o += 64) KVQ_PREFETCH(gq + (b + KEPT_AHEAD(qt)) * qb + o);
+            if (b % 2 == 0) KVQ_PREFETCH(dh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
+            if (q_has_min(qt) && b % 2 == 0) KVQ_PREFETCH(mh + (b + KEPT_AHEAD(qt)) * KEPT_COLS);
             __m512i W[8];
             kept_quants(gq, b, qt, W);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, W[0]), s1 = _mm512_setzero_si512();

@@ -4,6 +4,8 @@ copy laid out for the level's route."""
 from __future__ import annotations
 
 import ctypes
+import re
+import sys
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
 import pytest
@@ -89,3 +91,21 @@ def test_kept_support_matches_what_the_level_packs():
         else:
             assert kept == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                             "IQ4_XS"}
+
+
+def _amd_family_19h() -> bool:
+    info = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
+    return bool(vendor and family and vendor.group(1) == "AuthenticAMD" and int(family.group(1)) == 0x19)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/cpuinfo")
+def test_kept_copies_are_prefetched_into_l2_on_amd_family_19h_only():
+    """Every level asks for the kept copies ahead into L2 on AMD's family 19h (Zen 3, Zen 4), where bursts of
+    prefetcht0 stalled decode (docs/BENCHMARKS.md), and into L1 on every other CPU; describe() says which."""
+    want = _amd_family_19h()
+    for level in _levels():
+        assert kernels.library(level).prefetch_l2 is want, level
+    line = kernels.describe()
+    assert ("prefetched into L2" in line) is (want and "kept in" in line), line
