@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+from pathlib import Path
 
 import gguf  # a hard dependency: if missing, these tests must fail, not skip
 import pytest
@@ -94,7 +95,7 @@ def test_kept_support_matches_what_the_level_packs():
 
 
 def _amd_family_19h() -> bool:
-    info = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    info = Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else ""
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M)
     family = re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
     return bool(vendor and family and vendor.group(1) == "AuthenticAMD" and int(family.group(1)) == 0x19)
